@@ -1,0 +1,147 @@
+"""The ``slime-core`` command line: train, plugins, hooks, data."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import sys
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+import slimecore
+
+from slimecore.config import ConfigError, build_parser, collect_plugin_options, parse_config, prescan
+from slimecore.plugins import (DEFAULT_PLUGINS, SPECS, PluginError, installed_entry_points, load_plugins,
+                               normalize_spec)
+
+console = Console(stderr=True)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(slimecore.__version__, prog_name="slime-core")
+def cli():
+    """slime-core: RL post-training with a minimal core; algorithms, models and environments are plugins."""
+
+
+def _fail(exc: Exception) -> None:
+    console.print(f"[bold red]error:[/] {exc}")
+    sys.exit(2)
+
+
+@cli.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
+                               "help_option_names": []})
+@click.pass_context
+def train(ctx):
+    """Run RL (or SFT) training. `slime-core train --plugin grpo --help` lists every option,
+    including those of the named plugins."""
+    argv = list(ctx.args)
+    try:
+        specs, _ = prescan(argv)
+        specs = [normalize_spec(s) for s in specs]
+        argv = _normalized_plugin_args(argv)
+        hooks = load_plugins(specs)
+        declared = hooks.declared_options()
+        if "--help" in argv or "-h" in argv:
+            click.echo(build_parser(collect_plugin_options(declared)).format_help())
+            return
+        config = parse_config(argv, specs, declared)
+        hooks.validate_config(config=config)
+        hooks.check(skip_required=_not_needed(config))
+        from slimecore.models import resolve_checkpoint
+
+        config.hf_checkpoint = str(resolve_checkpoint(config.hf_checkpoint))
+    except (ConfigError, PluginError, FileNotFoundError, ValueError) as exc:
+        _fail(exc)
+    versions = ", ".join(f"{p.name} {p.version or ''}".strip() + f" [{p.origin}]" for p in hooks.plugins)
+    console.print(f"slime-core {slimecore.__version__} | plugins: {versions}")
+    hooks.startup(config=config, process="driver")
+    from slimecore.loop import run
+
+    run(config, hooks, on_step=_print_step)
+
+
+def _normalized_plugin_args(argv: list[str]) -> list[str]:
+    out, take = [], False
+    for arg in argv:
+        out.append(normalize_spec(arg) if take else arg)
+        take = arg == "--plugin"
+    return out
+
+
+def _not_needed(config) -> list[str]:
+    """Required hooks a debug mode never calls."""
+    if config.debug_rollout_only:
+        return ["slime_compute_advantages", "slime_loss"]
+    return []
+
+
+def _print_step(rollout_id: int, total: int, m: dict) -> None:
+    keys = [("reward", "rollout/raw_reward"), ("len", "rollout/response_length"), ("loss", "train/loss"),
+            ("kl", "train/ppo_kl"), ("lp_diff", "train/train_rollout_logprob_abs_diff")]
+    parts = [f"{name}={m[key]:.4g}" for name, key in keys if key in m]
+    parts += [f"{name} {m[key]:.1f}s" for name, key in [("rollout", "perf/rollout_time"), ("train", "perf/actor_train_time"),
+                                                       ("step", "perf/step_time")] if key in m]
+    evals = [f"{k}={v:.3f}" for k, v in m.items() if k.startswith("eval/") and not k.endswith("ratio")]
+    console.print(f"[bold]step {rollout_id + 1}/{total}[/] " + "  ".join(parts + evals))
+
+
+@cli.command()
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def plugins(as_json):
+    """List installed plugins (entry-point group `slimecore`) and the built-in defaults, with their hooks."""
+    rows = []
+    for name in list(DEFAULT_PLUGINS) + sorted(installed_entry_points()):
+        try:
+            info = load_plugins([name], defaults=False).plugins[0]
+            rows.append({"name": info.name, "distribution": info.distribution or "slime-core",
+                         "version": info.version or slimecore.__version__, "hooks": info.hooks,
+                         "origin": info.origin, "location": info.location})
+        except PluginError as exc:
+            rows.append({"name": name, "distribution": "?", "version": "?", "hooks": [], "origin": "error",
+                         "location": str(exc)})
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    table = Table(title="slime-core plugins")
+    for column in ("plugin", "distribution", "version", "hooks", "origin"):
+        table.add_column(column)
+    for row in rows:
+        table.add_row(row["name"], row["distribution"], row["version"],
+                      ", ".join(h.removeprefix("slime_") for h in row["hooks"]),
+                      row["origin"] if row["origin"] != "error" else f"[red]{row['location']}[/]")
+    Console().print(table)
+
+
+@cli.command()
+@click.argument("name", required=False)
+def hooks(name):
+    """Show every hook spec with its documentation (or just NAME)."""
+    out = Console()
+    for hook, fn in SPECS.items():
+        if name and name not in (hook, hook.removeprefix("slime_")):
+            continue
+        kind = {"all": "all implementations", "one": "one answer", "first": "first answer"}[fn.slime_kind]
+        flags = [kind] + (["required"] if fn.slime_required else []) + (["async"] if fn.slime_async else [])
+        out.print(f"[bold cyan]{hook}[/]{inspect.signature(fn)}  [dim]({', '.join(flags)})[/]")
+        out.print(inspect.getdoc(fn) + "\n", soft_wrap=True, highlight=False)
+    if name and not any(name in (h, h.removeprefix("slime_")) for h in SPECS):
+        _fail(ValueError(f"no hook named {name!r}; `slime-core hooks` lists them"))
+
+
+@cli.command()
+@click.option("--task", default="arithmetic", show_default=True, help="Built-in task name.")
+@click.option("-n", "--num", default=1000, show_default=True, help="Number of rows.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Output .jsonl path.")
+def data(task, num, seed, output):
+    """Write a built-in task's prompts and labels to a jsonl file (usable with --prompt-data)."""
+    from slimecore.data.tasks import TASKS, write_task_jsonl
+
+    if task not in TASKS:
+        _fail(ValueError(f"unknown task {task!r}; built-in tasks: {', '.join(sorted(TASKS))}"))
+    write_task_jsonl(task, output, num, seed)
+    console.print(f"wrote {num} rows of task {task!r} to {output} (keys: input, label, metadata)")
+
+

@@ -1,0 +1,64 @@
+"""Checkpoints: ``{save}/iter_{N:07d}/`` holds the trainer state (model as HF safetensors, optimizer,
+RNG) and the rollout state (data-source position and buffer, weight version). The marker file
+``latest_checkpointed_iteration.txt`` is written last, atomically, so a run killed mid-save resumes
+from the previous complete checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from slimecore.raytools import ray_get
+
+MARKER = "latest_checkpointed_iteration.txt"
+
+
+def iteration_dir(root: str | Path, rollout_id: int) -> Path:
+    return Path(root) / f"iter_{rollout_id:07d}"
+
+
+def latest_iteration(root: str | Path) -> int | None:
+    marker = Path(root) / MARKER
+    if not marker.is_file():
+        return None
+    text = marker.read_text().strip()
+    if not text.isdigit():
+        raise ValueError(f"{marker}: expected an iteration number, found {text!r}; fix or delete the file")
+    return int(text)
+
+
+def save(config, rollout_id: int, policy_version: int, train_group, rollout_manager) -> Path:
+    directory = iteration_dir(config.save, rollout_id)
+    directory.mkdir(parents=True, exist_ok=True)
+    if train_group is not None:
+        train_group.save(str(directory / "actor"))
+    data_state = ray_get(rollout_manager.data_state.remote(rollout_id), "the rollout manager's data state",
+                         config.ray_timeout)
+    tmp = directory / "rollout_state.pt.tmp"
+    torch.save({"rollout_id": rollout_id, "data_state": data_state, "policy_version": policy_version}, tmp)
+    os.replace(tmp, directory / "rollout_state.pt")
+    marker_tmp = Path(config.save) / (MARKER + ".tmp")
+    marker_tmp.write_text(str(rollout_id))
+    os.replace(marker_tmp, Path(config.save) / MARKER)
+    return directory
+
+
+def load(config, train_group, rollout_manager) -> tuple[int, int]:
+    """Restore the last checkpoint under ``--load``; return (first rollout id to run, policy version)."""
+    last = latest_iteration(config.load)
+    if last is None:
+        raise FileNotFoundError(f"--load {config.load}: no {MARKER} there; point --load at a directory written by "
+                                "--save, or drop --load to start fresh")
+    directory = iteration_dir(config.load, last)
+    state = torch.load(directory / "rollout_state.pt", weights_only=False)
+    if train_group is not None:
+        train_group.load(str(directory / "actor"))
+    ray_get(rollout_manager.load_data_state.remote(state["data_state"]), "the data source to restore its state",
+            config.ray_timeout)
+    return last + 1, state["policy_version"]
+
+
+__all__ = ["save", "load", "latest_iteration", "iteration_dir"]

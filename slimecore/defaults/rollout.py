@@ -1,0 +1,193 @@
+"""Built-in rollout plugin: single-turn generate, the over-sampling rollout loop, identity rewards.
+
+It implements the same hooks a user plugin would; the loop has no special case for it. The rollout
+follows slime's ``generate_rollout_async``: submit groups until enough are in flight, filter each
+finished group (dynamic sampling), stop at ``--rollout-batch-size`` accepted groups, abort what is
+still running on every engine and wait for it. Differences from slime, on purpose:
+- aborted groups are never lost: with ``--partial-rollout`` they go back to the buffer with their
+  partial responses; without it they go back with the response cleared;
+- a reward hook that raises or returns NaN marks that sample FAILED (reward 0, not trained) and is
+  counted as ``rollout/reward_failures``; the batch is not poisoned.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import math
+import time
+
+from slimecore import hookimpl
+from slimecore.plugins import HookCallError
+from slimecore.types import FilterResult, RolloutOutput, Sample, Status
+
+
+def sampling_params(config, evaluation: bool = False) -> dict:
+    """SGLang sampling params from the run's options (eval overrides where given)."""
+    def pick(eval_value, value):
+        return eval_value if evaluation and eval_value is not None else value
+
+    params = {
+        "temperature": pick(config.eval_temperature, config.rollout_temperature),
+        "top_p": pick(config.eval_top_p, config.rollout_top_p),
+        "top_k": config.rollout_top_k,
+        "max_new_tokens": pick(config.eval_max_response_len, config.rollout_max_response_len),
+        "skip_special_tokens": config.rollout_skip_special_tokens,
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+    }
+    if config.rollout_stop:
+        params["stop"] = list(config.rollout_stop)
+    if config.rollout_stop_token_ids:
+        params["stop_token_ids"] = list(config.rollout_stop_token_ids)
+    return params
+
+
+@hookimpl
+async def slime_generate(config, sample: Sample, sampling_params: dict, client):
+    """Single turn, token in / token out; continues a partial sample with the remaining budget."""
+    params = dict(sampling_params)
+    params["max_new_tokens"] -= sample.response_length
+    if params["max_new_tokens"] <= 0:
+        sample.status = Status.TRUNCATED
+        return sample
+    out = await client.generate(input_ids=sample.tokens, sampling_params=params, return_logprob=True)
+    meta = out["meta_info"]
+    entries = meta["output_token_logprobs"]
+    sample.append_response_tokens(
+        [e[1] for e in entries], [e[0] for e in entries], trainable=True, text=out.get("text", ""),
+        finish_reason=meta["finish_reason"], weight_version=meta.get("weight_version"))
+    return sample
+
+
+@hookimpl
+def slime_post_process_rewards(config, samples: list[Sample]):
+    raw = [s.get_reward_value(config.reward_key) for s in samples]
+    return raw, list(raw)
+
+
+class _GroupRunner:
+    """Runs generate -> sample hooks -> reward for one prompt group, with the global concurrency cap."""
+
+    def __init__(self, config, client, hooks, rollout_id: int, evaluation: bool, semaphore: asyncio.Semaphore):
+        self.config, self.client, self.hooks = config, client, hooks
+        self.rollout_id, self.evaluation, self.semaphore = rollout_id, evaluation, semaphore
+        self.params = sampling_params(config, evaluation)
+        self.reward_failures = 0
+
+    async def run(self, group: list[Sample]) -> list[Sample]:
+        results = await asyncio.gather(*(self._generate(s) for s in group))
+        samples = [s for r in results for s in (r if isinstance(r, list) else [r])]
+        for sample in samples:
+            self.hooks.process_sample(config=self.config, sample=sample, rollout_id=self.rollout_id,
+                                      evaluation=self.evaluation)
+        if any(s.status == Status.ABORTED for s in samples):
+            return samples  # goes back to the buffer; scored when it completes
+        if self.config.group_rm and not self.evaluation:
+            rewards = await self.hooks.group_reward(config=self.config, samples=samples)
+            for sample, reward in zip(samples, rewards, strict=True):
+                self._set_reward(sample, reward)
+        else:
+            await asyncio.gather(*(self._reward(s) for s in samples))
+        return samples
+
+    async def _generate(self, sample: Sample):
+        if sample.status in (Status.COMPLETED, Status.TRUNCATED):
+            return sample  # finished before its group was aborted; resumed groups only continue the rest
+        async with self.semaphore:
+            start = time.perf_counter()
+            out = await self.hooks.generate(config=self.config, sample=sample, sampling_params=self.params,
+                                            client=self.client, evaluation=self.evaluation)
+            for s in out if isinstance(out, list) else [out]:
+                s.metadata["generate_time"] = time.perf_counter() - start
+            return out
+
+    async def _reward(self, sample: Sample) -> None:
+        try:
+            reward = await self.hooks.reward(config=self.config, sample=sample)
+        except HookCallError as exc:
+            self._fail(sample, str(exc))
+            return
+        self._set_reward(sample, reward)
+
+    def _set_reward(self, sample: Sample, reward) -> None:
+        value = reward.get(self.config.reward_key) if isinstance(reward, dict) and self.config.reward_key else reward
+        if isinstance(value, (int, float)) and math.isnan(float(value)):
+            self._fail(sample, "reward is NaN")
+            return
+        sample.reward = reward
+
+    def _fail(self, sample: Sample, why: str) -> None:
+        self.reward_failures += 1
+        sample.status, sample.reward, sample.remove_sample = Status.FAILED, 0.0, True
+        sample.metadata["reward_error"] = why
+
+
+def _filter(hooks, config, group: list[Sample]) -> FilterResult:
+    for answer in hooks.filter_group(config=config, samples=group):
+        result = answer if isinstance(answer, FilterResult) else FilterResult(bool(answer))
+        if not result.keep:
+            return result
+    return FilterResult(True)
+
+
+@hookimpl
+async def slime_rollout(config, rollout_id: int, data_source, client, hooks, evaluation: bool):
+    engines = max(1, config.rollout_num_gpus // config.rollout_num_gpus_per_engine)
+    runner = _GroupRunner(config, client, hooks, rollout_id, evaluation,
+                          asyncio.Semaphore(config.sglang_server_concurrency * engines))
+    if evaluation:
+        groups = await asyncio.gather(*(runner.run(g) for g in data_source.get_samples(len(data_source))))
+        return RolloutOutput(list(groups), {"rollout/reward_failures": runner.reward_failures})
+
+    target = config.rollout_batch_size
+    over = config.over_sampling_batch_size or target
+    accepted: list[list[Sample]] = []
+    drops: collections.Counter = collections.Counter()
+    tasks: set[asyncio.Task] = set()
+    submitted_alive = 0  # submitted and not rejected (slime's remaining_batch_size)
+    while len(accepted) < target:
+        while submitted_alive < target:
+            for group in data_source.get_samples(over):
+                if config.mask_offpolicy_in_partial_rollout:
+                    for sample in group:
+                        sample.loss_mask = [0] * sample.response_length if sample.response_length else None
+                tasks.add(asyncio.ensure_future(runner.run(group)))
+                submitted_alive += 1
+        done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            group = task.result()
+            if len(accepted) >= target:
+                continue  # finished after the target was met: surplus, dropped like slime
+            if any(s.status == Status.ABORTED for s in group):
+                _recycle(config, data_source, group, rollout_id)
+                submitted_alive -= 1
+                continue
+            verdict = _filter(hooks, config, group)
+            if verdict.keep or (verdict.keep_when_insufficient and submitted_alive <= target):
+                accepted.append(group)
+            else:
+                drops[verdict.reason or "filtered"] += 1
+                submitted_alive -= 1
+    aborted = 0
+    if tasks:
+        await client.abort_all()
+        for group in await asyncio.gather(*tasks):
+            if any(s.status == Status.ABORTED for s in group):
+                _recycle(config, data_source, group, rollout_id)
+                aborted += 1
+    metrics = {f"rollout/dynamic_filter/drop_{reason}": float(n) for reason, n in drops.items()}
+    metrics.update({"rollout/aborted_groups": float(aborted), "rollout/reward_failures": float(runner.reward_failures)})
+    accepted.sort(key=lambda g: g[0].index if g[0].index is not None else 0)
+    return RolloutOutput(accepted, metrics)
+
+
+def _recycle(config, data_source, group: list[Sample], rollout_id: int) -> None:
+    """Return an aborted group to the buffer: partial responses kept only with --partial-rollout."""
+    for sample in group:
+        sample.metadata.setdefault("start_rollout_id", rollout_id)
+        if not config.partial_rollout:
+            sample.reset_response()
+        elif sample.status == Status.ABORTED:
+            sample.status = Status.PENDING
+    data_source.add_samples([group])

@@ -1,0 +1,279 @@
+"""Every hook of slime-core, grouped by stage.
+
+A plugin implements a hook by defining a function of the same name decorated with
+``slimecore.hookimpl``; it may accept any subset of the parameters listed. Hooks are called with
+keyword arguments only, so a spec can gain parameters without breaking old plugins.
+
+Kinds:
+- *all*: every active plugin's implementation is called; results are collected in a list.
+- *one answer*: exactly one active plugin answers. A non-default plugin replaces the built-in default;
+  two non-default plugins answering is a start-up error. *Required* ones must have an answer.
+- *first answer*: implementations are tried in turn and the first non-None result wins
+  (several plugins may coexist, each answering for the inputs it knows).
+
+Where each hook runs: **driver** (the ``slime-core`` process), **rollout** (the RolloutManager Ray
+actor), **train** (every training Ray actor, once per data-parallel rank).
+
+The mapping from slime's ``--*-path`` flags to these hooks is in ``docs/hooks.md``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:  # heavy or circular imports only for type checkers
+    import torch
+
+    from slimecore.config import Config, Option
+    from slimecore.rollout.client import RolloutClient
+    from slimecore.types import DataSource, FilterResult, RolloutOutput, Sample
+
+PROJECT = "slimecore"
+hookspec = pluggy.HookspecMarker(PROJECT)
+
+
+def spec(*, kind: str, required: bool = False, is_async: bool = False):
+    """Declare a hook. ``kind`` is ``all``, ``one`` (one answer) or ``first`` (first answer)."""
+    assert kind in ("all", "one", "first")
+
+    def decorate(func):
+        func = hookspec(firstresult=kind != "all")(func)
+        func.slime_kind, func.slime_required, func.slime_async = kind, required, is_async
+        return func
+
+    return decorate
+
+
+# ---------------------------------------------------------------------------------------------
+# Options and lifecycle
+# ---------------------------------------------------------------------------------------------
+
+
+@spec(kind="all")
+def slime_options() -> list[Option]:
+    """Declare this plugin's own command-line / YAML options.
+
+    Returns a list of ``slimecore.config.Option``. Values land in ``config.plugin(NAME)`` for the
+    declaring plugin (namespaced), and are accepted as ``--flag`` on the command line or under the
+    plugin's name in ``--config`` YAML. Two plugins may declare the same flag only with the same type
+    and default; they then share the value.
+
+    Called in: driver, rollout and train processes, when the config is built.
+    """
+
+
+@spec(kind="all")
+def slime_validate_config(config: Config) -> None:
+    """Check option combinations; raise ``slimecore.config.ConfigError`` naming the flags.
+
+    Called in: driver, once, before Ray starts.
+    """
+
+
+@spec(kind="all")
+def slime_startup(config: Config, process: str) -> None:
+    """A process finished loading plugins. ``process`` is ``driver``, ``rollout`` or ``train``.
+
+    Called in: every process, once.
+    """
+
+
+@spec(kind="all")
+def slime_step_end(config: Config, rollout_id: int, metrics: dict[str, float]) -> None:
+    """One RL step finished; ``metrics`` may be read or extended in place before they are logged.
+
+    Called in: driver, after each step.
+    """
+
+
+@spec(kind="all")
+def slime_shutdown(config: Config, process: str) -> None:
+    """The run is ending (normally or by an error). Release what ``slime_startup`` acquired.
+
+    Called in: every process, once.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Data
+# ---------------------------------------------------------------------------------------------
+
+
+@spec(kind="one", required=True)
+def slime_data_source(config: Config, tokenizer: Any) -> DataSource:
+    """Build the prompt source: ``get_samples`` / ``add_samples`` / ``state_dict`` / ``load_state_dict``
+    / ``len`` (``slimecore.types.DataSource``). The built-in reads ``--prompt-data`` (jsonl/parquet)
+    or a built-in task. slime: ``--data-source-path``.
+
+    Called in: rollout, once.
+    """
+
+
+@spec(kind="first")
+def slime_buffer_filter(config: Config, buffer: list[list[Sample]], num_groups: int) -> list[list[Sample]]:
+    """Choose which buffered (aborted, partially generated) groups to resume; remove them from
+    ``buffer`` and return them. Default: the first ``num_groups``. slime: ``--buffer-filter-path``.
+
+    Called in: rollout, by the data source on each ``get_samples``.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Rollout
+# ---------------------------------------------------------------------------------------------
+
+
+@spec(kind="one", required=True, is_async=True)
+async def slime_rollout(
+    config: Config, rollout_id: int, data_source: DataSource, client: RolloutClient, hooks: Any, evaluation: bool
+) -> RolloutOutput:
+    """Produce one step's prompt groups (``RolloutOutput``). The built-in draws groups from the data
+    source, calls ``slime_generate`` / ``slime_reward`` / ``slime_filter_group`` per group through
+    ``hooks`` (the ``slimecore.plugins.Hooks`` facade), over-samples and aborts, and handles partial
+    rollout. With ``evaluation=True`` it runs every prompt of ``data_source`` once.
+    slime: ``--rollout-function-path`` / ``--eval-function-path``.
+
+    Called in: rollout, once per step (and per eval with ``evaluation=True``).
+    """
+
+
+@spec(kind="one", required=True, is_async=True)
+async def slime_generate(
+    config: Config, sample: Sample, sampling_params: dict, client: RolloutClient, evaluation: bool
+) -> Sample | list[Sample]:
+    """Generate the response for one sample through ``client`` (never a hand-built URL). May run many
+    turns (use ``Sample.append_response_tokens``) and may fan out into several samples sharing
+    ``rollout_id``. slime: ``--custom-generate-function-path``.
+
+    Called in: rollout, once per sample, concurrently.
+    """
+
+
+@spec(kind="all")
+def slime_process_sample(config: Config, sample: Sample, rollout_id: int, evaluation: bool) -> None:
+    """Inspect or edit a generated sample before its reward. slime: ``--rollout-sample-hook-path``.
+
+    Called in: rollout, once per generated sample.
+    """
+
+
+@spec(kind="one", required=True, is_async=True)
+async def slime_reward(config: Config, sample: Sample) -> float | dict:
+    """Score one finished sample; return a float or a dict (pick the key with ``--reward-key``).
+    The built-in dispatches on ``sample.metadata["rm_type"]`` then ``--rm-type``.
+    slime: ``--custom-rm-path`` / ``--rm-type``.
+
+    Called in: rollout, once per sample (unless ``--group-rm``).
+    """
+
+
+@spec(kind="one", is_async=True)
+async def slime_group_reward(config: Config, samples: list[Sample]) -> list[float | dict]:
+    """Score a whole prompt group at once (``--group-rm``); return one reward per sample.
+
+    Called in: rollout, once per group when ``--group-rm`` is set.
+    """
+
+
+@spec(kind="all")
+def slime_filter_group(config: Config, samples: list[Sample]) -> FilterResult | bool | None:
+    """Dynamic sampling: keep or drop a finished prompt group. Return ``FilterResult`` (with a drop
+    reason, counted as ``rollout/dynamic_filter/drop_<reason>``), a bool, or None (no opinion). A group
+    is kept only if no plugin drops it. slime: ``--dynamic-sampling-filter-path``.
+
+    Called in: rollout, once per finished group.
+    """
+
+
+@spec(kind="one", required=True)
+def slime_post_process_rewards(config: Config, samples: list[Sample]) -> tuple[list[float], list[float]]:
+    """Turn per-sample rewards into training rewards: return ``(raw_rewards, rewards)`` aligned with
+    ``samples`` (e.g. group normalisation). The built-in returns the raw rewards twice.
+    slime: ``--custom-reward-post-process-path``.
+
+    Called in: rollout, once per step on the flattened batch.
+    """
+
+
+@spec(kind="all")
+def slime_log_rollout(config: Config, rollout_id: int, samples: list[Sample], metrics: dict[str, float]) -> None:
+    """Add or change rollout metrics in place. slime: ``--custom-rollout-log-function-path``.
+
+    Called in: rollout, once per step.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Training
+# ---------------------------------------------------------------------------------------------
+
+
+@spec(kind="all")
+def slime_train_inputs(config: Config, role: str) -> list[str]:
+    """Name the extra per-token inputs the loss needs before training: any of ``log_probs`` (old policy,
+    recomputed), ``ref_log_probs`` (reference model, a CPU snapshot in the same process), ``values``
+    (critic), ``entropy``. The union over plugins is computed.
+
+    Called in: train, once per step.
+    """
+
+
+@spec(kind="all")
+def slime_roles(config: Config) -> list[dict]:
+    """Declare training roles besides ``actor``, e.g. ``{"name": "critic", "head": "value"}``. The core
+    places and trains each role with the same backend; the loss hook receives ``role``.
+
+    Called in: driver, once.
+    """
+
+
+@spec(kind="one", required=True)
+def slime_compute_advantages(config: Config, role: str, batch: dict) -> dict:
+    """Return ``{"advantages": [...], "returns": [...]}``: one float tensor per sample over its response
+    tokens (shape ``(response_length,)``). ``batch`` holds ``rewards``, ``loss_masks``, ``response_lengths``
+    and whatever ``slime_train_inputs`` asked for. slime: ``--advantage-estimator`` /
+    ``--custom-advantage-function-path``.
+
+    Called in: train, once per step on this rank's samples.
+    """
+
+
+@spec(kind="all")
+def slime_rollout_data_postprocess(config: Config, rollout_id: int, batch: dict) -> None:
+    """Edit the training batch in place after advantages, before the optimizer steps.
+    slime: ``--rollout-data-postprocess-path``.
+
+    Called in: train, once per step.
+    """
+
+
+@spec(kind="one", required=True)
+def slime_loss(
+    config: Config, role: str, batch: dict, outputs: dict, reducer: Any
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Loss of one micro-batch. ``outputs`` holds the current model's per-sample tensors with gradient
+    (``log_probs``, ``entropy`` for the actor; ``values`` for a value role). ``reducer(list_of_tensors)``
+    turns per-token values into this micro-batch's share of the step objective (slime's
+    ``sum_of_sample_mean`` already divided by the step's rollout count), so shares add up exactly across
+    micro-batches and DP ranks. Return ``(loss, metrics)``; metrics must be reduced with ``reducer`` too.
+    slime: ``--loss-type`` / ``--custom-loss-function-path``.
+
+    Called in: train, once per micro-batch.
+    """
+
+
+# ---------------------------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------------------------
+
+
+@spec(kind="first")
+def slime_model_bridge(config: Config, hf_config: Any) -> Any:
+    """Return a bridge for this HF architecture (``hf_config.architectures``), or None if unknown. A
+    bridge builds the trainer's model and maps weight names for the engines (see
+    ``slimecore.trainers``). slime: ``--custom-model-provider-path`` / mbridge.
+
+    Called in: train, once.
+    """

@@ -1,0 +1,107 @@
+"""The driver loop: generate -> train -> sync weights -> save / eval, synchronous or one step off-policy.
+
+Read top to bottom; there are no algorithm names here. Each stage is a hook call or a Ray call with a
+timeout whose error says what was being waited for.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable
+
+import ray
+
+from slimecore import checkpoint
+from slimecore.config import Config
+from slimecore.plugins import Hooks
+from slimecore.raytools import create_placement, init_ray, ray_get
+from slimecore.rollout.manager import RolloutManager
+from slimecore.tracking import Tracker
+from slimecore.trainers.actor import TrainGroup
+
+log = logging.getLogger("slimecore.loop")
+StepCallback = Callable[[int, int, dict], None]
+
+
+def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> list[dict]:
+    """Run the whole job; returns the metrics of every step (also written under ``--log-dir``)."""
+    init_ray(config)
+    tracker = Tracker(config, [f"{p.name} ({p.origin})" for p in hooks.plugins])
+    wait = config.ray_timeout
+    pg, train_bundles, engine_bundles = create_placement(config)
+    rollout = ray.remote(RolloutManager).options(num_cpus=0).remote(config.to_dict(), pg, engine_bundles)
+    ray_get(rollout.__ray_ready__.remote(), "the rollout manager (engines, router, data source) to start", wait)
+    train = None if config.debug_rollout_only else TrainGroup(config, pg, train_bundles)
+    dp_size = train.dp_size if train else 1
+
+    start, version = 0, 0
+    if config.load:
+        start, version = checkpoint.load(config, train, rollout)
+    if config.start_rollout_id is not None:
+        start = config.start_rollout_id
+    num_rollout = config.num_rollout
+    if num_rollout is None:
+        per_epoch = ray_get(rollout.num_rollout_per_epoch.remote(), "the data source size", wait)
+        num_rollout = per_epoch * (config.num_epoch or 1)
+    engines_live = not (config.debug_train_only or config.load_debug_rollout_data)
+
+    def sync_weights() -> float:
+        """Push the trainer's weights to every engine; the engines then serve ``version``."""
+        if train is None or not engines_live:
+            return 0.0
+        if config.update_weight_transport == "disk":
+            weights = train.weights_ref(str(Path(config.log_dir) / "weights" / f"v{version}"))
+        else:
+            weights = train.weights_ref()
+        return ray_get(rollout.update_weights.remote(weights, version), f"engines to load weights v{version}", wait)
+
+    def evaluate(rollout_id: int) -> dict:
+        if not config.eval_prompt_data or not engines_live:
+            return {}
+        return ray_get(rollout.eval.remote(rollout_id), f"eval at step {rollout_id}", wait)
+
+    history: list[dict] = []
+    try:
+        sync_weights()  # engines start from the checkpoint on disk; make them serve the trainer's weights
+        if start == 0 and not config.skip_eval_before_train:
+            tracker.log(evaluate(0), 0)
+        pending = rollout.generate.remote(start, dp_size) if config.train_async and start < num_rollout else None
+        for rollout_id in range(start, num_rollout):
+            step_start = time.perf_counter()
+            if config.train_async:
+                refs, metrics = ray_get(pending, f"rollout {rollout_id}", wait)
+                # generation of the next step overlaps this step's training; it uses weights one step old
+                pending = rollout.generate.remote(rollout_id + 1, dp_size) if rollout_id + 1 < num_rollout else None
+            else:
+                refs, metrics = ray_get(rollout.generate.remote(rollout_id, dp_size), f"rollout {rollout_id}", wait)
+            metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
+            if train is not None:
+                train_start = time.perf_counter()
+                metrics.update(train.train(rollout_id, refs, version))
+                metrics["perf/actor_train_time"] = time.perf_counter() - train_start
+                version += 1
+                if not config.train_async or (rollout_id + 1) % config.update_weights_interval == 0:
+                    # async: the manager finishes the in-flight generation before it loads new weights
+                    metrics["perf/update_weights_time"] = sync_weights()
+            last = rollout_id + 1 == num_rollout
+            if config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)):
+                save_start = time.perf_counter()
+                checkpoint.save(config, rollout_id, version, train, rollout)
+                metrics["perf/save_time"] = time.perf_counter() - save_start
+            if config.eval_interval and ((rollout_id + 1) % config.eval_interval == 0 or last):
+                metrics.update(evaluate(rollout_id + 1))
+            metrics["perf/step_time"] = time.perf_counter() - step_start
+            hooks.step_end(config=config, rollout_id=rollout_id, metrics=metrics)
+            tracker.log(metrics, rollout_id)
+            history.append(metrics)
+            if on_step:
+                on_step(rollout_id, num_rollout, metrics)
+    finally:
+        if train is not None:
+            train.shutdown()
+        ray_get(rollout.shutdown.remote(), "the rollout manager to shut down", wait)
+        hooks.shutdown(config=config, process="driver")
+        tracker.close()
+    return history

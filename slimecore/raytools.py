@@ -1,0 +1,59 @@
+"""Ray start-up and waits that never hang silently."""
+
+from __future__ import annotations
+
+import os
+
+import ray
+from ray.exceptions import GetTimeoutError
+from ray.util.placement_group import placement_group
+
+from slimecore.config import Config
+
+
+class RayWaitTimeout(TimeoutError):
+    """A Ray wait ran past its limit; the message names what was being waited for."""
+
+
+def ray_get(refs, what: str, timeout: float):
+    """``ray.get`` with a timeout whose error says what we waited for and how to raise the limit."""
+    try:
+        return ray.get(refs, timeout=timeout)
+    except GetTimeoutError:
+        raise RayWaitTimeout(f"timed out after {timeout:.0f}s waiting for {what}; check the actor logs above, "
+                             "or raise --ray-timeout if the work is simply slow") from None
+
+
+def init_ray(config: Config) -> None:
+    if ray.is_initialized():
+        return
+    env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
+           "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True,
+             object_store_memory=int(os.environ.get("SLIMECORE_OBJECT_STORE_BYTES", 512 * 1024**2)),
+             runtime_env={"env_vars": {k: os.environ[k] for k in env}})
+
+
+def create_placement(config: Config):
+    """One placement group for everything; returns (pg, train bundle indices, engine bundle indices).
+
+    Disaggregated: train ranks take the first bundles, engines the rest. Colocated: train rank i and
+    engine i share bundle i (each bundle holds both actors' CPUs).
+    """
+    c = config
+    n_train = 0 if c.debug_rollout_only else c.actor_num_nodes * c.actor_num_gpus_per_node
+    no_engines = c.debug_train_only or c.load_debug_rollout_data
+    n_engines = 0 if no_engines else max(1, c.rollout_num_gpus // c.rollout_num_gpus_per_engine)
+    if c.colocate:
+        size = max(n_train, n_engines)
+        bundles = [{"CPU": c.num_cpus_per_actor * 2}] * size
+        train, engines = list(range(n_train)), list(range(n_engines))
+    else:
+        bundles = [{"CPU": c.num_cpus_per_actor}] * (n_train + n_engines)
+        train, engines = list(range(n_train)), list(range(n_train, n_train + n_engines))
+    pg = placement_group(bundles, strategy="PACK")
+    ray_get(pg.ready(), f"a placement group of {len(bundles)} bundles {bundles[:1]} (is the cluster big enough? "
+            "lower --num-cpus-per-actor or the number of ranks/engines)", min(c.ray_timeout, 120))
+    return pg, train, engines

@@ -1,0 +1,245 @@
+"""Small data contracts shared by every process: ``Sample``, ``FilterResult``, ``RolloutOutput``.
+
+Field names and status values follow slime's ``slime/utils/types.py`` so custom code ports over.
+A ``Sample`` holds one prompt and its response as token ids; everything the trainer needs is a list
+aligned with the response tokens (``loss_mask``, ``rollout_log_probs``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+
+class Status(str, enum.Enum):
+    PENDING = "pending"
+    COMPLETED = "completed"
+    TRUNCATED = "truncated"
+    ABORTED = "aborted"
+    FAILED = "failed"
+
+
+_FINISH_TO_STATUS = {"length": Status.TRUNCATED, "abort": Status.ABORTED, "stop": Status.COMPLETED}
+
+
+class SampleError(ValueError):
+    """A Sample whose token, mask and log-prob lists disagree."""
+
+
+@dataclass
+class Sample:
+    """One prompt and (after generation) one response.
+
+    ``tokens`` = prompt ids + response ids; the response is the last ``response_length`` ids.
+    ``loss_mask`` and ``rollout_log_probs`` have exactly ``response_length`` entries when set.
+    """
+
+    Status = Status
+
+    group_index: int | None = None
+    index: int | None = None
+    rollout_id: int | None = None
+    prompt: str | list[dict] = ""
+    tokens: list[int] = field(default_factory=list)
+    multimodal_inputs: dict | None = None
+    multimodal_train_inputs: dict | None = None
+    multimodal_train_input_id: str | None = None
+    apply_chat_template_kwargs: dict = field(default_factory=dict)
+    response: str = ""
+    response_length: int = 0
+    label: Any = None
+    reward: float | dict | None = None
+    loss_mask: list[int] | None = None
+    weight_versions: list[str] = field(default_factory=list)
+    rollout_log_probs: list[float] | None = None
+    rollout_top_p_token_ids: list[int] | None = None
+    rollout_top_p_token_offsets: list[int] | None = None
+    rollout_routed_experts: Any = None
+    remove_sample: bool = False
+    teacher_log_probs: list[float] | None = None
+    status: Status = Status.PENDING
+    metadata: dict = field(default_factory=dict)
+    generate_function_path: str | None = None
+    custom_rm_path: str | None = None
+    train_metadata: dict | None = None
+    session_id: str | None = None
+    non_generation_time: float = 0.0
+
+    # -- derived -----------------------------------------------------------------------------
+    @property
+    def prompt_length(self) -> int:
+        return len(self.tokens) - self.response_length
+
+    @property
+    def prompt_tokens(self) -> list[int]:
+        return self.tokens[: self.prompt_length]
+
+    @property
+    def response_tokens(self) -> list[int]:
+        return self.tokens[self.prompt_length :]
+
+    @property
+    def effective_response_length(self) -> int:
+        return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
+
+    def get_reward_value(self, reward_key: str | None = None) -> float:
+        """The scalar reward; ``reward_key`` picks a field of a dict reward (slime's ``--reward-key``)."""
+        reward = self.reward
+        if isinstance(reward, dict):
+            if not reward_key:
+                raise SampleError(
+                    f"sample {self.index} has a dict reward with keys {sorted(reward)}; "
+                    "set --reward-key to choose which one to train on"
+                )
+            if reward_key not in reward:
+                raise SampleError(f"sample {self.index}: --reward-key {reward_key!r} not in reward keys {sorted(reward)}")
+            reward = reward[reward_key]
+        if reward is None:
+            raise SampleError(f"sample {self.index} has no reward; the reward hook must set one")
+        return float(reward)
+
+    # -- multi-turn building -----------------------------------------------------------------
+    def append_response_tokens(
+        self,
+        tokens: list[int],
+        log_probs: list[float] | None = None,
+        *,
+        trainable: bool = True,
+        text: str = "",
+        finish_reason: dict | str | None = None,
+        weight_version: str | None = None,
+    ) -> None:
+        """Append response tokens (model output or tool observation) keeping every list aligned.
+
+        Trainable tokens get loss mask 1 and need their log-probs; non-trainable tokens (tool output,
+        chat-template glue) get mask 0 and log-prob 0.0. ``finish_reason`` (SGLang's
+        ``meta_info.finish_reason`` or its ``type``) sets ``status``: length -> TRUNCATED,
+        abort -> ABORTED, stop -> COMPLETED.
+        """
+        tokens = [int(t) for t in tokens]
+        if trainable:
+            if log_probs is None:
+                raise SampleError("append_response_tokens(trainable=True) needs the log-probs of the new tokens")
+            if len(log_probs) != len(tokens):
+                raise SampleError(
+                    f"append_response_tokens: {len(tokens)} tokens but {len(log_probs)} log-probs; "
+                    "they must be aligned one to one"
+                )
+            new_lp = [float(x) for x in log_probs]
+            if any(math.isnan(x) for x in new_lp):
+                raise SampleError("append_response_tokens: a log-prob is NaN")
+        else:
+            new_lp = [0.0] * len(tokens)
+        self.check_aligned()
+        if self.loss_mask is None:
+            self.loss_mask = [1] * self.response_length
+        if self.rollout_log_probs is None:
+            if self.response_length and trainable:
+                raise SampleError(
+                    "append_response_tokens: this sample already has response tokens without log-probs"
+                )
+            self.rollout_log_probs = [0.0] * self.response_length
+        self.tokens.extend(tokens)
+        self.response_length += len(tokens)
+        self.loss_mask.extend([1 if trainable else 0] * len(tokens))
+        self.rollout_log_probs.extend(new_lp)
+        self.response += text
+        if weight_version is not None:
+            self.weight_versions.append(str(weight_version))
+        if finish_reason is not None:
+            kind = finish_reason.get("type") if isinstance(finish_reason, dict) else finish_reason
+            if kind not in _FINISH_TO_STATUS:
+                raise SampleError(f"unknown finish_reason type {kind!r}; expected one of {sorted(_FINISH_TO_STATUS)}")
+            self.status = _FINISH_TO_STATUS[kind]
+        self.check_aligned()
+
+    def check_aligned(self) -> None:
+        """Raise SampleError if lengths of tokens / loss_mask / rollout_log_probs disagree."""
+        if self.response_length < 0 or self.response_length > len(self.tokens):
+            raise SampleError(
+                f"sample {self.index}: response_length {self.response_length} outside 0..{len(self.tokens)} tokens"
+            )
+        for name in ("loss_mask", "rollout_log_probs"):
+            value = getattr(self, name)
+            if value is not None and len(value) != self.response_length:
+                raise SampleError(
+                    f"sample {self.index}: {name} has {len(value)} entries but response_length is {self.response_length}"
+                )
+
+    def reset_response(self) -> None:
+        """Drop the response (used before re-generating a sample from scratch)."""
+        self.tokens = self.prompt_tokens
+        self.response, self.response_length = "", 0
+        self.loss_mask = self.rollout_log_probs = None
+        self.reward, self.status = None, Status.PENDING
+        self.weight_versions = []
+
+    # -- serialisation (debug dumps, checkpoints of the buffer) ----------------------------------
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        out["status"] = self.status.value
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Sample":
+        data = dict(data)
+        names = {f.name for f in dataclasses.fields(cls)}
+        extra = {k: data.pop(k) for k in list(data) if k not in names}
+        if "status" in data:
+            data["status"] = Status(data["status"])
+        sample = cls(**data)
+        for key, value in extra.items():
+            setattr(sample, key, value)
+        return sample
+
+
+@dataclass
+class FilterResult:
+    """Answer of a group filter (dynamic sampling). slime calls this ``DynamicFilterOutput``."""
+
+    keep: bool
+    reason: str | None = None
+    keep_when_insufficient: bool = False
+
+
+@dataclass
+class RolloutOutput:
+    """What a rollout returns: prompt groups of samples plus rollout-level metrics."""
+
+    samples: list[list[Sample]]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class EvalOutput:
+    """Eval result per dataset name: rewards, truncation flags and the samples."""
+
+    data: dict[str, dict]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class DataSource:
+    """Where prompts come from, and where aborted groups wait to be resumed (slime's DataSource).
+
+    ``get_samples(n)`` returns ``n`` groups of ``n_samples_per_prompt`` fresh copies each, buffer first.
+    ``state_dict()`` must capture everything needed to continue with the same order after a resume,
+    the buffer included.
+    """
+
+    def get_samples(self, num_groups: int) -> list[list[Sample]]:
+        raise NotImplementedError
+
+    def add_samples(self, groups: list[list[Sample]]) -> None:
+        raise NotImplementedError
+
+    def state_dict(self) -> dict:
+        raise NotImplementedError
+
+    def load_state_dict(self, state: dict) -> None:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        raise NotImplementedError
