@@ -67,7 +67,7 @@ CORE_OPTIONS: list[Option] = [
        group="cluster"),
     # -- data
     _O("prompt_data", str, None, "Prompt file (.jsonl/.parquet), optionally path@[start:end]. Default: --task.", group="data"),
-    _O("task", str, "arithmetic", "Built-in procedurally generated task used when --prompt-data is not given.", group="data"),
+    _O("task", str, "compare", "Built-in procedurally generated task used when --prompt-data is not given.", group="data"),
     _O("task_size", int, 10000, "Number of prompts generated for the built-in task.", group="data"),
     _O("input_key", str, "input", "Row key holding the prompt.", group="data"),
     _O("label_key", str, None, "Row key holding the label.", group="data"),

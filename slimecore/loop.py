@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 import ray
+import ray.util
 
 from slimecore import checkpoint
 from slimecore.config import Config
@@ -78,9 +79,10 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
                 refs, metrics = ray_get(rollout.generate.remote(rollout_id, dp_size), f"rollout {rollout_id}", wait)
             metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
             if train is not None:
-                train_start = time.perf_counter()
+                train_start, metrics["timeline/train_start"] = time.perf_counter(), time.time()
                 metrics.update(train.train(rollout_id, refs, version))
                 metrics["perf/actor_train_time"] = time.perf_counter() - train_start
+                metrics["timeline/train_end"] = time.time()
                 version += 1
                 if not config.train_async or (rollout_id + 1) % config.update_weights_interval == 0:
                     # async: the manager finishes the in-flight generation before it loads new weights
@@ -102,6 +104,7 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
         if train is not None:
             train.shutdown()
         ray_get(rollout.shutdown.remote(), "the rollout manager to shut down", wait)
+        ray.util.remove_placement_group(pg)
         hooks.shutdown(config=config, process="driver")
         tracker.close()
     return history

@@ -83,7 +83,7 @@ class RolloutManager:
     def generate(self, rollout_id: int, dp_size: int):
         """Run the rollout for ``rollout_id``; return (per-DP-rank object refs or None, metrics)."""
         c = self.config
-        start = time.perf_counter()
+        start, wall_start = time.perf_counter(), time.time()
         if c.load_debug_rollout_data:
             samples, metrics = self._load_debug(rollout_id), {}
         else:
@@ -95,6 +95,7 @@ class RolloutManager:
         for old in [k for k in self._states if k < rollout_id - 2]:
             del self._states[old]
         metrics.update(rollout_metrics(samples, time.perf_counter() - start, c.reward_key))
+        metrics.update({"timeline/rollout_start": wall_start, "timeline/rollout_end": time.time()})
         if c.save_debug_rollout_data:
             self._save_debug(rollout_id, samples)
         self.hooks.log_rollout(config=c, rollout_id=rollout_id, samples=samples, metrics=metrics)

@@ -1,0 +1,3 @@
+from slimecore_cli.main import cli
+
+cli()

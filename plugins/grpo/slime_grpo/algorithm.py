@@ -1,0 +1,83 @@
+"""GRPO math, as slime computes it (reference/slime.md 4.1, 4.3, 4.5), with two deliberate fixes.
+
+Variant implemented:
+- Rewards: per prompt group, ``r - mean(r)``, then divided by ``std(r) + 1e-6`` with the *unbiased*
+  std (slime's ``torch.std``) unless ``--disable-grpo-std-normalization`` (Dr.GRPO);
+  ``--disable-rewards-normalization`` keeps raw rewards.
+- Advantages: ``A_{i,t} = r_i`` on every response token; ``returns = advantages``; optional
+  ``--normalize-advantages`` whitens over all unmasked tokens of the step (across DP ranks).
+- Loss: ``ratio = exp(logp - logp_old)``; ``L = max(-ratio A, -clip(ratio, 1-eps, 1+eps_high) A)``;
+  dual clip ``--eps-clip-c c``: where ``A < 0``, ``L = min(L, -c A)``; ``pg_clipfrac = 1[clipped > unclipped]``;
+  ``loss = pg_loss - entropy_coef * entropy + kl_loss_coef * KL(logp, logp_ref)``.
+
+Fixes relative to slime (DESIGN.md section 8):
+- Groups come from ``Sample.group_index``, not from reshaping the batch to ``[-1, n_samples_per_prompt]``,
+  so fan-out and uneven groups are normalised per prompt instead of as one whole-batch group.
+- A group of one sample gets reward ``0`` after centring and no std division (slime: NaN).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from slimecore.ops.kl import approx_kl
+
+
+def group_normalize(rewards: list[float], group_ids: list, std_normalize: bool, eps: float = 1e-6) -> list[float]:
+    groups: dict = defaultdict(list)
+    for i, g in enumerate(group_ids):
+        groups[g].append(i)
+    out = [0.0] * len(rewards)
+    for members in groups.values():
+        r = torch.tensor([rewards[i] for i in members], dtype=torch.float64)
+        centred = r - r.mean()
+        if std_normalize and len(members) > 1:
+            centred = centred / (r.std(unbiased=True) + eps)
+        for i, value in zip(members, centred.tolist()):
+            out[i] = value
+    return out
+
+
+def clipped_surrogate(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                      eps_low: float, eps_high: float, eps_c: float | None = None):
+    """Per-token PPO-clip loss. All inputs (R,) -> (loss (R,), clipfrac (R,), ppo_kl (R,))."""
+    ppo_kl = old_log_probs - log_probs
+    ratio = torch.exp(-ppo_kl)
+    unclipped = -ratio * advantages
+    clipped = -ratio.clamp(1 - eps_low, 1 + eps_high) * advantages
+    loss = torch.maximum(unclipped, clipped)
+    clipfrac = (clipped > unclipped).float()
+    if eps_c is not None:
+        loss = torch.where(advantages < 0, torch.minimum(loss, -eps_c * advantages), loss)
+    return loss, clipfrac, ppo_kl
+
+
+def policy_loss(opts, batch: dict, outputs: dict, reducer):
+    """Loss and metrics of one micro-batch (see the module docstring)."""
+    log_probs = outputs["log_probs"]
+    if opts.use_rollout_logprobs:
+        old = [lp.to(log_probs[0].device) for lp in batch["rollout_log_probs"]]
+    elif "log_probs" in batch:
+        old = [lp.to(log_probs[0].device) for lp in batch["log_probs"]]
+    else:
+        old = [lp.detach() for lp in log_probs]
+    eps_high = opts.eps_clip_high if opts.eps_clip_high is not None else opts.eps_clip
+    per_sample = [clipped_surrogate(lp, o, a.to(lp.device), opts.eps_clip, eps_high, opts.eps_clip_c)
+                  for lp, o, a in zip(log_probs, old, batch["advantages"])]
+    pg_loss = reducer([p[0] for p in per_sample])
+    metrics = {"pg_loss": pg_loss, "pg_clipfrac": reducer([p[1] for p in per_sample]),
+               "ppo_kl": reducer([p[2] for p in per_sample])}
+    loss = pg_loss
+    if outputs.get("entropy"):
+        entropy_loss = reducer(outputs["entropy"])
+        metrics["entropy_loss"] = entropy_loss
+        if opts.entropy_coef:
+            loss = loss - opts.entropy_coef * entropy_loss
+    if opts.use_kl_loss:
+        kl = [approx_kl(lp, ref.to(lp.device), opts.kl_loss_type) for lp, ref in zip(log_probs, batch["ref_log_probs"])]
+        kl_loss = reducer(kl)
+        metrics["kl_loss"] = kl_loss
+        loss = loss + opts.kl_loss_coef * kl_loss
+    return loss, metrics

@@ -1,0 +1,82 @@
+"""slime-core hooks for GRPO. The math is in ``slime_grpo.algorithm``."""
+
+from __future__ import annotations
+
+import torch
+
+from slimecore import hookimpl
+from slimecore.config import ConfigError, Option
+from slimecore.ops.kl import KL_TYPES
+from slimecore.ops.masked import masked_whiten
+from slime_grpo.algorithm import group_normalize, policy_loss
+
+NAME = "grpo"
+
+
+@hookimpl
+def slime_options():
+    return [
+        Option("eps_clip", float, 0.2, "Lower clip range of the ratio."),
+        Option("eps_clip_high", float, None, "Upper clip range (default: --eps-clip); DAPO clip-higher."),
+        Option("eps_clip_c", float, None, "Dual-clip constant (> 1) for negative advantages."),
+        Option("use_kl_loss", bool, False, "Add a KL(policy || reference) loss term."),
+        Option("kl_loss_coef", float, 0.0, "Coefficient of the KL loss."),
+        Option("kl_loss_type", str, "k1", "KL estimator.", choices=KL_TYPES),
+        Option("kl_coef", float, 0.0, "KL-in-reward coefficient (not used by GRPO advantages; see README)."),
+        Option("entropy_coef", float, 0.0, "Entropy bonus coefficient."),
+        Option("disable_grpo_std_normalization", bool, False, "Dr.GRPO: centre rewards without dividing by std."),
+        Option("disable_rewards_normalization", bool, False, "Train on raw rewards."),
+        Option("normalize_advantages", bool, False, "Whiten advantages over the step's tokens."),
+        Option("use_rollout_logprobs", bool, False, "Use the engine's log-probs as the old policy."),
+    ]
+
+
+@hookimpl
+def slime_validate_config(config):
+    o = config.plugin(NAME)
+    if o.kl_coef and o.kl_loss_coef:
+        raise ConfigError("--kl-coef and --kl-loss-coef are mutually exclusive: KL goes either into the reward or "
+                          "into the loss; set one of them to 0")
+    if o.kl_coef:
+        raise ConfigError("--kl-coef (KL in reward) has no effect on GRPO advantages (slime ignores it silently); "
+                          "use --use-kl-loss --kl-loss-coef instead")
+    if o.eps_clip_c is not None and o.eps_clip_c <= 1:
+        raise ConfigError(f"--eps-clip-c must be > 1 (got {o.eps_clip_c})")
+    if o.kl_loss_coef and not o.use_kl_loss:
+        raise ConfigError("--kl-loss-coef is set but --use-kl-loss is not; add --use-kl-loss")
+
+
+@hookimpl
+def slime_post_process_rewards(config, samples):
+    o = config.plugin(NAME)
+    raw = [s.get_reward_value(config.reward_key) for s in samples]
+    if o.disable_rewards_normalization:
+        return raw, list(raw)
+    groups = [s.group_index if s.group_index is not None else i // config.n_samples_per_prompt
+              for i, s in enumerate(samples)]
+    std = not o.disable_grpo_std_normalization and config.n_samples_per_prompt > 1
+    return raw, group_normalize(raw, groups, std)
+
+
+@hookimpl
+def slime_train_inputs(config, role):
+    o = config.plugin(NAME)
+    needs = ["log_probs", "entropy"]
+    if o.use_kl_loss:
+        needs.append("ref_log_probs")
+    return needs
+
+
+@hookimpl
+def slime_compute_advantages(config, role, batch):
+    advantages = [torch.full((n,), float(r)) for r, n in zip(batch["rewards"], batch["response_lengths"])]
+    if config.plugin(NAME).normalize_advantages and advantages:
+        masks = torch.cat(batch["loss_masks"])
+        flat = masked_whiten(torch.cat(advantages), masks, distributed=True)
+        advantages = list(torch.split(flat, list(batch["response_lengths"])))
+    return {"advantages": advantages, "returns": advantages}
+
+
+@hookimpl
+def slime_loss(config, role, batch, outputs, reducer):
+    return policy_loss(config.plugin(NAME), batch, outputs, reducer)

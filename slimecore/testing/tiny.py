@@ -1,0 +1,68 @@
+"""A tiny random HF model and a locally trained tokenizer, built in well under a second, no hub.
+
+The tokenizer is a byte-level BPE trained on a small synthetic corpus and carries a ChatML template,
+so everything that runs on SmolLM2 (chat templates, EOS, log-probs) runs on it too.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def _corpus() -> list[str]:
+    words = ("apple river stone cloud tiger music green house light paper answer number larger smaller which "
+             "what is the only with sort count letter repeat word search information yes no user assistant system")
+    lines = [words]
+    for a in range(0, 100, 3):
+        lines.append(f"Which number is larger: {a} or {99 - a}? Answer with only the number. {max(a, 99 - a)}")
+        lines.append(f"What is {a} + {a % 10}? {a + a % 10}. {a} - 1 = {a - 1}")
+    return lines
+
+
+def build_tokenizer():
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=SPECIAL, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(_corpus(), trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                                   bos_token=None, additional_special_tokens=["<|im_start|>"],
+                                   chat_template=CHAT_TEMPLATE)
+
+
+def make_tiny_checkpoint(directory: str | Path, arch: str = "qwen2", hidden: int = 64, layers: int = 2,
+                         heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
+    """Write a random-init ``arch`` (qwen2 or llama) model plus tokenizer to ``directory``; reuse it if present."""
+    import torch
+    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    directory = Path(directory)
+    stamp = directory / "tiny.json"
+    spec = {"arch": arch, "hidden": hidden, "layers": layers, "heads": heads, "kv_heads": kv_heads, "seed": seed}
+    if stamp.is_file() and json.loads(stamp.read_text()) == spec:
+        return directory
+    tokenizer = build_tokenizer()
+    eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    common = dict(vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=512,
+                  tie_word_embeddings=False, eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    torch.manual_seed(seed)
+    model = model_cls(config_cls(**common)).to(torch.float32)
+    model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
+    directory.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(directory, safe_serialization=True)
+    tokenizer.save_pretrained(directory)
+    stamp.write_text(json.dumps(spec))
+    return directory

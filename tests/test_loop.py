@@ -1,0 +1,93 @@
+"""End to end through the CLI: real Ray actors, the real router, embedded engines, the fsdp trainer,
+the grpo plugin, on a tiny random model. Each run is its own process, as a user would run it."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("slime_grpo", reason="the grpo plugin is installed by scripts/setup.sh")
+
+
+def _train_args(checkpoint: Path, log_dir: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "slimecore_cli", "train", "--plugin", "grpo", "--hf-checkpoint", str(checkpoint),
+            "--task", "compare", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+            "--rollout-max-response-len", "8", "--lr", "1e-4", "--log-dir", str(log_dir), "--no-use-tensorboard",
+            "--apply-chat-template", *extra]
+
+
+def _run(args: list[str], timeout: float = 240) -> None:
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+
+
+def _metrics(log_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_sync_loop_runs_and_logprobs_match(tiny_checkpoint, tmp_path):
+    log_dir = tmp_path / "run"
+    _run(_train_args(tiny_checkpoint, log_dir, "--num-rollout", "3"))
+    steps = _metrics(log_dir)
+    assert [m["rollout/step"] for m in steps] == [0, 1, 2]
+    first = steps[0]
+    # the trainer's recomputed log-probs reproduce the engine's (fp32 on both sides)
+    assert first["train/train_rollout_logprob_abs_diff"] < 1e-3
+    assert abs(first["train/ppo_kl"]) < 1e-6 and first["train/pg_clipfrac"] == 0.0  # on-policy first step
+    for m in steps:
+        for key in ("rollout/raw_reward", "perf/rollout_time", "perf/actor_train_time", "perf/update_weights_time",
+                    "train/grad_norm", "perf/step_time"):
+            assert key in m, key
+    assert (log_dir / "config.json").is_file()
+
+
+def test_async_loop_overlaps_and_bounds_staleness(tiny_checkpoint, tmp_path):
+    log_dir = tmp_path / "async"
+    _run(_train_args(tiny_checkpoint, log_dir, "--num-rollout", "4", "--train-async", "--max-staleness", "1"))
+    steps = _metrics(log_dir)
+    assert len(steps) == 4
+    # generation of step N+1 started before training on step N ended
+    overlaps = [steps[n + 1]["timeline/rollout_start"] < steps[n]["timeline/train_end"] for n in range(3)]
+    assert all(overlaps), overlaps
+    assert max(m["train/max_staleness"] for m in steps) <= 1
+    assert max(m["train/max_staleness"] for m in steps[1:]) == 1  # one step off-policy, really
+    assert all(m["train/stale_samples_dropped"] == 0 for m in steps)
+
+
+def _prompts(dump: Path) -> list[tuple]:
+    samples = torch.load(dump, weights_only=False)["samples"]
+    return [(s["index"], s["group_index"], s["prompt"]) for s in samples]
+
+
+def test_sigkill_then_resume_continues_with_the_same_prompts(tiny_checkpoint, tmp_path):
+    # reference: an uninterrupted run of 4 steps
+    ref = tmp_path / "ref"
+    _run(_train_args(tiny_checkpoint, ref / "log", "--num-rollout", "4", "--rollout-shuffle",
+                     "--save-debug-rollout-data", str(ref / "dump_{rollout_id}.pt")))
+    # the same run, killed with SIGKILL once step 1's checkpoint is complete
+    run = tmp_path / "run"
+    save = run / "ckpt"
+    args = _train_args(tiny_checkpoint, run / "log", "--num-rollout", "4", "--rollout-shuffle", "--save", str(save),
+                       "--save-interval", "1", "--save-debug-rollout-data", str(run / "dump_{rollout_id}.pt"))
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    marker = save / "latest_checkpointed_iteration.txt"
+    deadline = time.time() + 240
+    while time.time() < deadline and not (marker.is_file() and marker.read_text().strip() == "1"):
+        assert proc.poll() is None, "training exited before the checkpoint of step 1"
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=30)
+    # resume: continues at step 2 with exactly the prompts the uninterrupted run used
+    _run(_train_args(tiny_checkpoint, run / "log2", "--num-rollout", "4", "--rollout-shuffle", "--load", str(save),
+                     "--save-debug-rollout-data", str(run / "resumed_{rollout_id}.pt")))
+    assert [m["rollout/step"] for m in _metrics(run / "log2")] == [2, 3]
+    for step in (2, 3):
+        assert _prompts(run / f"resumed_{step}.pt") == _prompts(ref / f"dump_{step}.pt")
