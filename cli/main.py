@@ -8,6 +8,7 @@ import sys
 
 import click
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 import slimecore
@@ -54,8 +55,15 @@ def train(ctx):
         config.hf_checkpoint = str(resolve_checkpoint(config.hf_checkpoint))
     except (ConfigError, PluginError, FileNotFoundError, ValueError) as exc:
         _fail(exc)
-    versions = ", ".join(f"{p.name} {p.version or ''}".strip() + f" [{p.origin}]" for p in hooks.plugins)
+    versions = ", ".join(escape(f"{p.name}{' ' + p.version if p.version else ''} [{p.origin}]") for p in hooks.plugins)
     console.print(f"slime-core {slimecore.__version__} | plugins: {versions}")
+    if config.recommended_applied:
+        settings = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v}")
+                            for k, v in config.recommended_applied.items())
+        console.print(f"built-in task {config.task!r}: using its quick-start settings {settings} (set any flag to override)")
+    if config.train_iters is None and config.num_rollout:
+        config.train_iters = config.num_rollout * config.rollout_batch_size * config.n_samples_per_prompt \
+            // config.global_batch_size
     hooks.startup(config=config, process="driver")
     from slimecore.loop import run
 

@@ -183,6 +183,7 @@ class Config:
         self.__dict__["_plugin_values"] = {k: dict(v) for k, v in (plugin_values or {}).items()}
         self.__dict__["plugins"] = list(plugins)
         self.__dict__["sglang_args"] = dict(sglang_args or {})
+        self.__dict__["recommended_applied"] = {}  # task quick-start values used because the user set none
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -388,6 +389,10 @@ def parse_config(argv: list[str], plugin_names: list[str], declared: dict[str, l
         file_values, _, file_sglang = _yaml_defaults(cli["config_file"], plugin_options)
         sglang_args = {**{k.replace("-", "_"): v for k, v in file_sglang.items()}, **sglang_args}
         _apply(values, pvalues, file_values)
+        explicit_from_file = set(file_values)
+    else:
+        explicit_from_file = set()
+    explicit = {k for k in cli if k not in ("config_file", "plugin")}
     _apply(values, pvalues, {k: v for k, v in cli.items() if k not in ("config_file", "plugin")})
     plugin_values: dict[str, dict] = {}
     for name, (_, owners) in plugin_options.items():
@@ -396,8 +401,27 @@ def parse_config(argv: list[str], plugin_names: list[str], declared: dict[str, l
     for owner in declared:
         plugin_values.setdefault(owner, {})
     config = Config(values, plugin_values, plugin_names, sglang_args)
+    apply_task_recommendations(config, explicit | explicit_from_file)
     validate_core(config)
     return config
+
+
+def apply_task_recommendations(config: Config, explicit: set[str]) -> None:
+    """With a built-in task (no --prompt-data), options the user left unset take the task's quick-start
+    values (small batches, a few steps, a learning rate that moves a 135M model), recorded in
+    ``config.recommended_applied`` so the CLI can say so."""
+    if config.prompt_data is not None:
+        return
+    from slimecore.data.tasks import TASKS
+
+    task = TASKS.get(config.task)
+    if task is None:
+        raise ConfigError(f"--task {config.task!r} is not a built-in task; choose one of {', '.join(sorted(TASKS))} "
+                          "or give --prompt-data FILE")
+    for name, value in task.recommended.items():
+        if name not in explicit:
+            config._values[name] = value
+            config.recommended_applied[name] = value
 
 
 def _apply(values: dict, pvalues: dict, updates: dict) -> None:
