@@ -17,7 +17,7 @@ from slimecore.config import ConfigError, build_parser, collect_plugin_options, 
 from slimecore.plugins import (DEFAULT_PLUGINS, SPECS, PluginError, installed_entry_points, load_plugins,
                                normalize_spec)
 
-console = Console(stderr=True)
+console = Console(stderr=True, soft_wrap=True)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

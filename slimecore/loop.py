@@ -55,7 +55,7 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
         if config.update_weight_transport == "disk":
             weights = train.weights_ref(str(Path(config.log_dir) / "weights" / f"v{version}"))
         else:
-            weights = train.weights_ref()
+            weights = [train.weights_ref()]  # wrapped: the manager passes the ref on instead of fetching it
         return ray_get(rollout.update_weights.remote(weights, version), f"engines to load weights v{version}", wait)
 
     def evaluate(rollout_id: int) -> dict:

@@ -32,7 +32,7 @@ def init_ray(config: Config) -> None:
     for key, value in env.items():
         os.environ.setdefault(key, value)
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True,
-             object_store_memory=int(os.environ.get("SLIMECORE_OBJECT_STORE_BYTES", 512 * 1024**2)),
+             object_store_memory=int(os.environ.get("SLIMECORE_OBJECT_STORE_BYTES", 2 * 1024**3)),
              runtime_env={"env_vars": {k: os.environ[k] for k in env}})
 
 

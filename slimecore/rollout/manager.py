@@ -15,8 +15,9 @@ from pathlib import Path
 
 import ray
 
-from slimecore.config import Config
+from slimecore.config import Config, torch_threads
 from slimecore.plugins import load_for_config
+from slimecore.raytools import ray_get
 from slimecore.types import Sample, Status
 
 log = logging.getLogger("slimecore.rollout")
@@ -53,7 +54,7 @@ class RolloutManager:
         n = max(1, c.rollout_num_gpus // c.rollout_num_gpus_per_engine)
         self.engines = launch_embedded_engines(n, c.hf_checkpoint, num_cpus=c.num_cpus_per_actor,
                                                placement_group=placement_group, bundle_indices=engine_bundles,
-                                               timeout=c.ray_timeout)
+                                               timeout=c.ray_timeout, seed=c.seed, num_threads=torch_threads(c))
         self.router = Router([url for _, url in self.engines])
         self.router.start()
         self.client = RolloutClient(self.router.url, tokenizer=self.tokenizer)
@@ -65,15 +66,14 @@ class RolloutManager:
         return self.router.url if self.router else None
 
     def update_weights(self, weights, version: int) -> float:
-        """Load new weights into every engine: a name->tensor dict (resolved from the object store) or,
-        for disk transport, a safetensors directory path. Returns the seconds it took."""
+        """Load new weights into every engine: ``[ref]`` to a name->tensor dict in the object store (each
+        engine fetches it once), or, for disk transport, a safetensors directory. Returns seconds taken."""
         start = time.perf_counter()
         if isinstance(weights, (str, Path)):
             self.loop.run_until_complete(self.client.update_weights_from_disk(str(weights), str(version)))
         else:
-            ref = ray.put(weights)  # one copy shared by every engine
-            ray.get([engine.load_weights.remote(ref, str(version)) for engine, _ in self.engines],
-                    timeout=self.config.ray_timeout)
+            ray_get([engine.load_weights.remote(weights[0], str(version)) for engine, _ in self.engines],
+                    f"engines to load weights v{version}", self.config.ray_timeout)
         return time.perf_counter() - start
 
     # -- one step --------------------------------------------------------------------------

@@ -14,7 +14,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from slimecore.config import Config
+from slimecore.config import Config, torch_threads
 from slimecore.plugins import load_for_config
 from slimecore.raytools import ray_get
 
@@ -23,8 +23,8 @@ class TrainActor:
     def __init__(self, config_dict: dict, rank: int, world_size: int, master_addr: str, master_port: int):
         import torch
 
-        torch.set_num_threads(1)
         self.config = config = Config.from_dict(config_dict)
+        torch.set_num_threads(torch_threads(config))
         self.rank, self.world_size = rank, world_size
         if world_size > 1:
             import datetime

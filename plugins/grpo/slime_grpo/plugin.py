@@ -60,8 +60,13 @@ def slime_post_process_rewards(config, samples):
 
 @hookimpl
 def slime_train_inputs(config, role):
+    """The old policy is recomputed only when a rollout feeds several optimizer steps; with one step the
+    model *is* the old policy and the loss uses its detached log-probs (slime's reuse path)."""
     o = config.plugin(NAME)
-    needs = ["log_probs", "entropy"]
+    samples = config.rollout_batch_size * config.n_samples_per_prompt
+    needs = ["entropy"]
+    if config.global_batch_size < samples and not o.use_rollout_logprobs:
+        needs.append("log_probs")
     if o.use_kl_loss:
         needs.append("ref_log_probs")
     return needs

@@ -1,0 +1,89 @@
+"""GRPO math on hand-computed cases (slime reference 4.1, 4.2, 4.5)."""
+
+import math
+import types
+
+import pytest
+import torch
+
+from slime_grpo.algorithm import clipped_surrogate, group_normalize, policy_loss
+from slimecore.config import Config, ConfigError
+from slimecore.ops.reducers import make_sample_mean_reducer
+from slimecore.plugins import installed_entry_points, load_plugins
+from slimecore.types import Sample
+
+
+def test_group_normalisation_uses_unbiased_std_per_group():
+    rewards = [1.0, 0.0, 0.0, 0.0, 5.0, 5.0]
+    out = group_normalize(rewards, [0, 0, 0, 0, 1, 1], std_normalize=True)
+    std = math.sqrt(((0.75**2) + 3 * 0.25**2) / 3)  # unbiased
+    assert out[0] == pytest.approx(0.75 / (std + 1e-6))
+    assert out[1] == pytest.approx(-0.25 / (std + 1e-6))
+    assert out[4:] == [0.0, 0.0]  # all-equal group: no signal, no NaN
+
+
+def test_single_sample_group_gives_zero_not_nan():
+    assert group_normalize([3.0], [7], std_normalize=True) == [0.0]
+
+
+def test_dr_grpo_only_centres():
+    assert group_normalize([1.0, 0.0], [0, 0], std_normalize=False) == [0.5, -0.5]
+
+
+def test_clipped_surrogate_hand_case():
+    new = torch.log(torch.tensor([1.5, 0.5, 1.0]))
+    old = torch.zeros(3)
+    adv = torch.tensor([1.0, -1.0, 2.0])
+    loss, clipfrac, ppo_kl = clipped_surrogate(new, old, adv, 0.2, 0.2)
+    # ratio 1.5 > 1.2 with A>0 -> clipped at 1.2; ratio 0.5 < 0.8 with A<0 -> -0.8*-1=0.8 vs 0.5 -> max 0.8
+    assert loss.tolist() == pytest.approx([-1.2, 0.8, -2.0])
+    assert clipfrac.tolist() == [1.0, 1.0, 0.0]
+    assert ppo_kl.tolist() == pytest.approx((-new).tolist())
+
+
+def test_dual_clip_bounds_negative_advantages():
+    new, old, adv = torch.log(torch.tensor([5.0])), torch.zeros(1), torch.tensor([-1.0])
+    loss, _, _ = clipped_surrogate(new, old, adv, 0.2, 0.2, eps_c=3.0)
+    assert loss.item() == pytest.approx(3.0)  # -ratio*A = 5 is capped at c*|A| = 3
+
+
+def _opts(**kw):
+    base = dict(eps_clip=0.2, eps_clip_high=None, eps_clip_c=None, use_kl_loss=False, kl_loss_coef=0.0,
+                kl_loss_type="k1", kl_coef=0.0, entropy_coef=0.0, use_rollout_logprobs=False)
+    return types.SimpleNamespace(**(base | kw))
+
+
+def test_on_policy_first_step_has_zero_kl_and_clipfrac_and_zero_kl_loss():
+    lp = [torch.tensor([-1.0, -2.0], requires_grad=True), torch.tensor([-0.5], requires_grad=True)]
+    masks = [torch.ones(2), torch.ones(1)]
+    batch = {"log_probs": [x.detach() for x in lp], "ref_log_probs": [x.detach() for x in lp],
+             "advantages": [torch.tensor([1.0, 1.0]), torch.tensor([-1.0])]}
+    reducer = make_sample_mean_reducer(masks, [2.0, 1.0], 2)
+    loss, m = policy_loss(_opts(use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k3"), batch,
+                          {"log_probs": lp, "entropy": []}, reducer)
+    assert m["ppo_kl"].item() == 0.0 and m["pg_clipfrac"].item() == 0.0 and m["kl_loss"].item() == 0.0
+    # pg loss = mean over samples of -A: (-1 + 1) / 2 = 0; gradient = -A / D / B per token
+    loss.backward()
+    assert lp[0].grad.tolist() == pytest.approx([-0.25, -0.25]) and lp[1].grad.tolist() == pytest.approx([0.5])
+
+
+def test_plugin_is_discovered_and_validates_flags():
+    assert "grpo" in installed_entry_points()
+    hooks = load_plugins(["grpo"])
+    hooks.check()
+    values = {o.name: o.default for o in hooks.declared_options()["grpo"]}
+    with pytest.raises(ConfigError, match="--kl-coef and --kl-loss-coef"):
+        hooks.validate_config(config=Config.make(plugins=["grpo"], plugin_values={"grpo": values | {
+            "kl_coef": 0.1, "kl_loss_coef": 0.1, "use_kl_loss": True}}))
+    with pytest.raises(ConfigError, match="--eps-clip-c must be > 1"):
+        hooks.validate_config(config=Config.make(plugin_values={"grpo": values | {"eps_clip_c": 0.5}}))
+
+
+def test_post_process_rewards_groups_by_group_index():
+    hooks = load_plugins(["grpo"])
+    values = {o.name: o.default for o in hooks.declared_options()["grpo"]}
+    config = Config.make(plugin_values={"grpo": values}, n_samples_per_prompt=2, rollout_batch_size=2)
+    samples = [Sample(group_index=g, reward=r) for g, r in [(0, 1.0), (1, 1.0), (0, 0.0), (1, 1.0)]]
+    raw, rewards = hooks.post_process_rewards(config=config, samples=samples)
+    assert raw == [1.0, 1.0, 0.0, 1.0]
+    assert rewards[1] == rewards[3] == 0.0 and rewards[0] == pytest.approx(-rewards[2]) and rewards[0] > 0.7
