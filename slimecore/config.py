@@ -63,6 +63,8 @@ CORE_OPTIONS: list[Option] = [
     _O("rollout_engine", str, "embedded", "Inference engine: embedded (CPU, HF transformers) or sglang (GPU).",
        choices=("embedded", "sglang"), group="cluster"),
     _O("num_cpus_per_actor", float, 0.5, "Ray CPUs reserved per train or engine actor.", group="cluster"),
+    _O("cpu_threads_per_actor", int, None, "torch threads in each train/engine actor. Default: all cores for the "
+       "synchronous loop (train and rollout take turns), half of them with --train-async.", group="cluster"),
     _O("ray_timeout", float, 1800.0, "Seconds any single wait on Ray may take before the run fails with a message.",
        group="cluster"),
     # -- data
@@ -430,6 +432,15 @@ def _apply(values: dict, pvalues: dict, updates: dict) -> None:
             pvalues[key[len("plugin."):]] = value
         else:
             values[key] = value
+
+
+def torch_threads(config: Config) -> int:
+    import os
+
+    if config.cpu_threads_per_actor:
+        return config.cpu_threads_per_actor
+    cores = os.cpu_count() or 1
+    return max(1, cores // 2 if config.train_async else cores)
 
 
 def validate_core(config: Config) -> None:

@@ -95,7 +95,7 @@ def _repeat_reward(response: str, label) -> float:
 
 
 QUICKSTART = {"rollout_batch_size": 8, "n_samples_per_prompt": 8, "num_rollout": 16, "rollout_max_response_len": 16,
-              "lr": 1e-5, "apply_chat_template": True}
+              "lr": 1e-5, "apply_chat_template": True, "micro_batch_size": 16}
 
 TASKS: dict[str, Task] = {t.name: t for t in (
     Task("compare", "Pick the larger of two 2-digit numbers.", _compare, _last_integer_equals, QUICKSTART),

@@ -84,6 +84,7 @@ class EmbeddedServer:
                  seed: int = 0, num_threads: int = 1):
         self.model_path, self.host, self.port = str(model_path), host, port
         self.max_batch_size, self.num_threads = max_batch_size, num_threads
+        self.gather_window = 0.01  # seconds without a new request that closes a wave
         self.weight_version = "default"
         self.ready = False
         self.generator = torch.Generator().manual_seed(seed)
@@ -189,9 +190,10 @@ class EmbeddedServer:
                 continue
             self.unpaused.wait()
             wave = [first]
+            # requests of one rollout arrive over a few milliseconds: keep collecting while they do
             while len(wave) < self.max_batch_size:
                 try:
-                    wave.append(self.waiting.get_nowait())
+                    wave.append(self.waiting.get(timeout=self.gather_window))
                 except queue.Empty:
                     break
             with self.model_lock:
@@ -367,9 +369,9 @@ class EmbeddedServer:
 class EmbeddedEngineActor:
     """Ray actor holding one EmbeddedServer (create with ``launch_embedded_engines``)."""
 
-    def __init__(self, model_path: str, max_batch_size: int = 64, seed: int = 0):
-        torch.set_num_threads(1)
-        self.server = EmbeddedServer(model_path, max_batch_size=max_batch_size, seed=seed)
+    def __init__(self, model_path: str, max_batch_size: int = 64, seed: int = 0, num_threads: int = 1):
+        torch.set_num_threads(num_threads)
+        self.server = EmbeddedServer(model_path, max_batch_size=max_batch_size, seed=seed, num_threads=num_threads)
 
     def start(self) -> str:
         return self.server.start()
@@ -385,7 +387,8 @@ class EmbeddedEngineActor:
 
 
 def launch_embedded_engines(n: int, model_path: str, num_cpus: float = 0.5, placement_group=None,
-                            bundle_indices: list[int] | None = None, timeout: float = 600, seed: int = 0):
+                            bundle_indices: list[int] | None = None, timeout: float = 600, seed: int = 0,
+                            num_threads: int = 1):
     """Start ``n`` engine actors (in the given placement-group bundles); return [(actor, url)]."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -399,6 +402,6 @@ def launch_embedded_engines(n: int, model_path: str, num_cpus: float = 0.5, plac
         if placement_group is not None:
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 placement_group, placement_group_bundle_index=bundle_indices[i])
-        actors.append(actor_cls.options(**options).remote(model_path, seed=seed + i))
+        actors.append(actor_cls.options(**options).remote(model_path, seed=seed + i, num_threads=num_threads))
     urls = ray_get([a.start.remote() for a in actors], f"{n} embedded engine(s) to load {model_path}", timeout)
     return list(zip(actors, urls))
