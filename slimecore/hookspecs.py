@@ -102,10 +102,11 @@ def slime_shutdown(config: Config, process: str) -> None:
 
 
 @spec(kind="one", required=True)
-def slime_data_source(config: Config, tokenizer: Any) -> DataSource:
+def slime_data_source(config: Config, tokenizer: Any, hooks: Any) -> DataSource:
     """Build the prompt source: ``get_samples`` / ``add_samples`` / ``state_dict`` / ``load_state_dict``
     / ``len`` (``slimecore.types.DataSource``). The built-in reads ``--prompt-data`` (jsonl/parquet)
-    or a built-in task. slime: ``--data-source-path``.
+    or a built-in task, and asks ``slime_buffer_filter`` (through ``hooks``) which buffered groups to
+    resume. slime: ``--data-source-path``.
 
     Called in: rollout, once.
     """
@@ -217,15 +218,6 @@ def slime_train_inputs(config: Config, role: str) -> list[str]:
     (critic), ``entropy``. The union over plugins is computed.
 
     Called in: train, once per step.
-    """
-
-
-@spec(kind="all")
-def slime_roles(config: Config) -> list[dict]:
-    """Declare training roles besides ``actor``, e.g. ``{"name": "critic", "head": "value"}``. The core
-    places and trains each role with the same backend; the loss hook receives ``role``.
-
-    Called in: driver, once.
     """
 
 

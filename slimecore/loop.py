@@ -66,7 +66,7 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
     history: list[dict] = []
     try:
         sync_weights()  # engines start from the checkpoint on disk; make them serve the trainer's weights
-        if start == 0 and not config.skip_eval_before_train:
+        if start == 0 and not config.skip_eval_before_train and config.eval_prompt_data:
             tracker.log(evaluate(0), 0)
         pending = rollout.generate.remote(start, dp_size) if config.train_async and start < num_rollout else None
         for rollout_id in range(start, num_rollout):

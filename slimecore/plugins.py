@@ -35,7 +35,7 @@ from typing import Any, Iterable
 import pluggy
 
 from slimecore import hookspecs
-from slimecore.config import Config, Option
+from slimecore.config import Config, ConfigError, Option
 
 ENTRY_POINT_GROUP = "slimecore"
 DEFAULT_PLUGINS = (
@@ -283,8 +283,8 @@ class Hooks:
             print(f"[slimecore hook] {hook} -> {plugin}", file=sys.stderr)
         try:
             result = impl.function(**args)
-        except PluginError:
-            raise
+        except (PluginError, ConfigError):
+            raise  # already a message for the user (e.g. slime_validate_config rejecting flags)
         except Exception as exc:
             raise HookCallError(plugin, hook, exc) from exc
         if inspect.isawaitable(result):
@@ -297,7 +297,7 @@ class Hooks:
     async def _await(plugin: str, hook: str, awaitable, must_answer: bool):
         try:
             result = await awaitable
-        except (PluginError, asyncio.CancelledError):
+        except (PluginError, ConfigError, asyncio.CancelledError):
             raise
         except Exception as exc:
             raise HookCallError(plugin, hook, exc) from exc
@@ -333,14 +333,8 @@ def load_plugins(specs: Iterable[str], extra: Iterable[Any] = (), defaults: bool
     """
     pm = pluggy.PluginManager(hookspecs.PROJECT)
     pm.add_hookspecs(hookspecs)
-    infos: list[PluginInfo] = []
+    infos = [resolve(spec) for spec in list(DEFAULT_PLUGINS if defaults else ()) + list(specs)]
     seen: set[int] = set()
-    specs = list(DEFAULT_PLUGINS if defaults else ()) + [s for s in specs]
-    for spec in specs:
-        info = resolve(spec)
-        if id(info.module) in seen:
-            continue
-        infos.append(info)
     for obj in extra:
         name = getattr(obj, "__name__", None) or type(obj).__name__
         infos.append(PluginInfo(name, "object", obj))

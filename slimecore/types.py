@@ -133,6 +133,9 @@ class Sample:
                 raise SampleError("append_response_tokens: a log-prob is NaN")
         else:
             new_lp = [0.0] * len(tokens)
+        kind = finish_reason.get("type") if isinstance(finish_reason, dict) else finish_reason
+        if kind is not None and kind not in _FINISH_TO_STATUS:
+            raise SampleError(f"unknown finish_reason type {kind!r}; expected one of {sorted(_FINISH_TO_STATUS)}")
         self.check_aligned()
         if self.loss_mask is None:
             self.loss_mask = [1] * self.response_length
@@ -149,10 +152,7 @@ class Sample:
         self.response += text
         if weight_version is not None:
             self.weight_versions.append(str(weight_version))
-        if finish_reason is not None:
-            kind = finish_reason.get("type") if isinstance(finish_reason, dict) else finish_reason
-            if kind not in _FINISH_TO_STATUS:
-                raise SampleError(f"unknown finish_reason type {kind!r}; expected one of {sorted(_FINISH_TO_STATUS)}")
+        if kind is not None:
             self.status = _FINISH_TO_STATUS[kind]
         self.check_aligned()
 

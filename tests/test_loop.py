@@ -49,6 +49,25 @@ def test_sync_loop_runs_and_logprobs_match(tiny_checkpoint, tmp_path):
     assert (log_dir / "config.json").is_file()
 
 
+def test_plugins_load_in_every_process_and_lifecycle_hooks_run(tiny_checkpoint, tmp_path):
+    events_file = tmp_path / "events.jsonl"
+    recorder = str(Path(__file__).parent / "recorder_plugin.py")
+    _run(_train_args(tiny_checkpoint, tmp_path / "log", "--num-rollout", "2", "--plugin", recorder,
+                     "--events-file", str(events_file), "--actor-num-gpus-per-node", "2"))
+    events = [json.loads(line) for line in events_file.read_text().splitlines()]
+    started = {(e["process"], e["pid"]) for e in events if e["event"] == "startup"}
+    assert sorted(p for p, _ in started) == ["driver", "rollout", "train", "train"]  # 2 DP ranks
+    assert len({pid for _, pid in started}) == 4  # four distinct processes loaded the plugin
+    stopped = sorted(e["process"] for e in events if e["event"] == "shutdown")
+    assert stopped == ["driver", "rollout", "train", "train"]
+    post = [e for e in events if e["event"] == "postprocess"]
+    assert sorted(e["rollout_id"] for e in post) == [0, 0, 1, 1] and all(e["has_advantages"] for e in post)
+    assert sum(e["samples"] for e in post if e["rollout_id"] == 0) == 8  # split over the two ranks
+    steps = _metrics(tmp_path / "log")
+    assert [m["recorder/step_end"] for m in steps] == [0.0, 1.0]
+    assert all(m["recorder/all_samples_processed"] == 1.0 for m in steps)
+
+
 def test_async_loop_overlaps_and_bounds_staleness(tiny_checkpoint, tmp_path):
     log_dir = tmp_path / "async"
     _run(_train_args(tiny_checkpoint, log_dir, "--num-rollout", "4", "--train-async", "--max-staleness", "1"))

@@ -136,3 +136,43 @@ def test_reward_failures_mark_samples_instead_of_poisoning_the_batch(engines, ti
     data = convert_samples(hooks, config, samples)
     assert all(sum(m) == 0 for m, s in zip(data["loss_masks"], samples) if s.index in failed)
     assert all(not math.isnan(r) for r in data["rewards"])
+
+
+class GroupRank:
+    """--group-rm: scores a whole group at once (here: by position in the group)."""
+
+    @hookimpl
+    async def slime_group_reward(self, config, samples):
+        return [float(i) for i in range(len(samples))]
+
+
+def test_group_reward_scores_whole_groups(engines, tiny_checkpoint):
+    _, router = engines
+    config = _config(rollout_batch_size=2, group_rm=True)
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    source = PromptDataSource(load_prompts(config, tokenizer, None)[0], 2)
+    out = _run(load_plugins([], extra=[GroupRank()]), config, source, router)
+    assert [[s.reward for s in g] for g in out.samples] == [[0.0, 1.0], [0.0, 1.0]]
+
+
+class NewestFirst:
+    @hookimpl
+    def slime_buffer_filter(self, config, buffer, num_groups):
+        chosen = buffer[-num_groups:]
+        del buffer[-num_groups:]
+        return chosen
+
+
+def test_buffer_filter_hook_chooses_what_to_resume(tiny_checkpoint):
+    config = _config()
+    tokenizer = load_tokenizer(tiny_checkpoint)
+    hooks = load_plugins([], extra=[NewestFirst()])
+    source = hooks.data_source(config=config, tokenizer=tokenizer, hooks=hooks)
+    groups = source.get_samples(3)
+    source.add_samples(groups)
+    assert [g[0].group_index for g in source.get_samples(2)] == [1, 2]
+    assert [g[0].group_index for g in source.buffer] == [0]
+    default = load_plugins([])
+    plain = default.data_source(config=config, tokenizer=tokenizer, hooks=default)
+    plain.add_samples(plain.get_samples(3))
+    assert [g[0].group_index for g in plain.get_samples(2)] == [0, 1]

@@ -34,7 +34,7 @@ class RolloutManager:
         from slimecore.models import load_tokenizer
 
         self.tokenizer = load_tokenizer(config.hf_checkpoint)
-        self.data_source = self.hooks.data_source(config=config, tokenizer=self.tokenizer)
+        self.data_source = self.hooks.data_source(config=config, tokenizer=self.tokenizer, hooks=self.hooks)
         self.loop = asyncio.new_event_loop()
         self.engines, self.router, self.client = [], None, None
         self._states: dict[int, dict] = {}  # data-source state after each generated step (for checkpoints)

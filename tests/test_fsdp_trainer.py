@@ -1,0 +1,295 @@
+"""The fsdp backend: exact loss aggregation across micro-batching and DP sizes, reference policy,
+save/load, LoRA, LR schedule."""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import os
+import random
+import socket
+import traceback
+import types
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from slimecore import hookimpl
+from slimecore.config import Config
+from slimecore.plugins import load_plugins
+from slimecore.trainers.fsdp import FSDPTrainer, lr_lambda
+from slimecore.trainers.schedule import build_dp_schedule, split_for_ranks
+
+
+class PolicyGradient:
+    """Test scaffolding for the hook layer: a clipped policy-gradient loss, advantage = reward on every
+    token. Keeps the batches it saw in ``seen`` for inspection."""
+
+    def __init__(self):
+        self.seen: list[dict] = []
+
+    @hookimpl
+    def slime_train_inputs(self, config, role):
+        return ["log_probs", "ref_log_probs"]
+
+    @hookimpl
+    def slime_compute_advantages(self, config, role, batch):
+        self.seen.append(batch)
+        adv = [torch.full((n,), float(r)) for r, n in zip(batch["rewards"], batch["response_lengths"])]
+        return {"advantages": adv, "returns": adv}
+
+    @hookimpl
+    def slime_loss(self, config, role, batch, outputs, reducer):
+        ratios = [torch.exp(lp - old) for lp, old in zip(outputs["log_probs"], batch["log_probs"])]
+        pg = [-torch.minimum(r * a, r.clamp(0.8, 1.2) * a) for r, a in zip(ratios, batch["advantages"])]
+        loss = reducer(pg) - 0.01 * reducer(outputs["entropy"])  # the entropy term checks its gradient too
+        return loss, {"pg_loss": reducer(pg).detach(), "entropy_loss": reducer(outputs["entropy"]).detach()}
+
+
+def _config(checkpoint, **kw):
+    return Config.make(hf_checkpoint=str(checkpoint), **{"lr": 1e-3, "clip_grad": 1.0} | kw)
+
+
+def _data(n=8, seed=0, rollout_log_probs=False):
+    rng = random.Random(seed)
+    data = {k: [] for k in ("tokens", "response_lengths", "loss_masks", "rewards", "raw_rewards", "rollout_ids",
+                            "sample_indices", "truncated")}
+    for i in range(n):
+        prompt, response = rng.randint(2, 9), rng.randint(1, 7)
+        data["tokens"].append([rng.randint(3, 300) for _ in range(prompt + response)])
+        data["response_lengths"].append(response)
+        data["loss_masks"].append([rng.choice([0, 1, 1]) for _ in range(response)])
+        data["rewards"].append(rng.uniform(-1, 1))
+        data["raw_rewards"].append(0.0)
+        data["rollout_ids"].append(i // 2 if i < 4 else i)  # two fan-out rollouts of 2 samples, then singles
+        data["sample_indices"].append(i)
+        data["truncated"].append(0)
+    if rollout_log_probs:
+        data["rollout_log_probs"] = [[-1.0] * r for r in data["response_lengths"]]
+    return data
+
+
+def _part(data, dp_size=1, rank=0, micro_batch_size=8, max_tokens=None, rollouts_per_step=None):
+    rollouts = rollouts_per_step or len(set(data["rollout_ids"]))
+    schedule = build_dp_schedule(data["rollout_ids"], [len(t) for t in data["tokens"]], rollouts, dp_size,
+                                 micro_batch_size, max_tokens)
+    return split_for_ranks(copy.deepcopy(data), schedule)[rank]
+
+
+def _trainer(config, dp_size=1, rank=0, shard=None):
+    plugin = PolicyGradient()
+    trainer = FSDPTrainer(config, load_plugins([], extra=[plugin], defaults=False), rank=rank, world_size=dp_size,
+                          shard=shard)
+    return trainer, plugin
+
+
+def _flat_grads(trainer):
+    from slimecore.trainers.fsdp import _full
+
+    return torch.cat([_full(p.grad).reshape(-1) for p in trainer.params])
+
+
+def _flat_weights(trainer):
+    from slimecore.trainers.fsdp import _full
+
+    return torch.cat([_full(p.detach()).reshape(-1) for p in trainer.params])
+
+
+def _train_once(config, data, **part_kw):
+    trainer, plugin = _trainer(config)
+    metrics = trainer.train(0, _part(data, **part_kw))
+    return metrics, _flat_grads(trainer), trainer, plugin
+
+
+# -- (a) micro-batching does not change the objective -------------------------------------------------
+
+
+@pytest.mark.parametrize("per_token", [False, True])
+def test_loss_and_gradients_do_not_depend_on_micro_batching(tiny_checkpoint, per_token):
+    config = _config(tiny_checkpoint, calculate_per_token_loss=per_token)
+    data = _data()
+    m1, g1, _, plugin = _train_once(config, data, micro_batch_size=8)
+    assert len(_part(data, micro_batch_size=8)["steps"][0]["micro_batches"]) == 1
+    m4, g4, _, _ = _train_once(config, data, micro_batch_size=2)
+    assert len(_part(data, micro_batch_size=2)["steps"][0]["micro_batches"]) == 4
+    md, gd, _, _ = _train_once(config, data, micro_batch_size=None, max_tokens=20)
+    assert len(_part(data, micro_batch_size=None, max_tokens=20)["steps"][0]["micro_batches"]) > 1
+    assert g1.abs().max().item() > 0
+    for other_m, other_g in ((m4, g4), (md, gd)):
+        for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm"):
+            assert other_m[key] == pytest.approx(m1[key], abs=1e-6)
+        assert (other_g - g1).abs().max().item() < 1e-6
+    # before the first update the reference policy is the current one
+    batch = plugin.seen[0]
+    assert all(torch.equal(a, b) for a, b in zip(batch["log_probs"], batch["ref_log_probs"]))
+
+
+def test_sample_mean_loss_value_by_hand(tiny_checkpoint):
+    """At the old policy the ratio is 1, so pg_loss = -(1/B) sum_i A_i * (mask tokens of i) / D_i."""
+    data = _data()
+    metrics, _, _, _ = _train_once(_config(tiny_checkpoint), data)
+    per_rollout: dict[int, int] = {}
+    for rid, m in zip(data["rollout_ids"], data["loss_masks"]):
+        per_rollout[rid] = per_rollout.get(rid, 0) + sum(m)
+    live = [rid for rid, d in per_rollout.items() if d > 0]
+    expected = -sum(r * sum(m) / max(per_rollout[rid], 1)
+                    for r, m, rid in zip(data["rewards"], data["loss_masks"], data["rollout_ids"])) / len(live)
+    assert metrics["train/pg_loss"] == pytest.approx(expected, abs=1e-6)
+
+
+# -- (b) DP world 2 equals world 1 ----------------------------------------------------------------------
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _dp_worker(rank, world, port, checkpoint, queue):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.distributed.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    try:
+        config = _config(checkpoint)
+        results = {}
+        for shard in (False, True):  # replica + all-reduce, and FSDP2 fully_shard
+            for name, data in (("batch", _data()), ("one_sample", _data(n=1))):
+                torch.manual_seed(0)
+                trainer, _ = _trainer(config, dp_size=world, rank=rank, shard=shard)
+                metrics = trainer.train(0, _part(data, dp_size=world, rank=rank, micro_batch_size=1))
+                # numpy, not tensors: torch's queue would share tensor memory that dies with this process
+                results[(shard, name)] = (metrics["train/loss"], metrics["train/grad_norm"],
+                                          _flat_grads(trainer).numpy(), _flat_weights(trainer).numpy())
+        queue.put((rank, results))
+    except BaseException:
+        queue.put((rank, traceback.format_exc()))  # the test fails at once with the worker's traceback
+        raise
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_two_dp_ranks_give_the_same_loss_and_gradients_as_one(tiny_checkpoint):
+    expected = {}
+    for name, data in (("batch", _data()), ("one_sample", _data(n=1))):
+        metrics, grads, trainer, _ = _train_once(_config(tiny_checkpoint), data, micro_batch_size=3)
+        expected[name] = (metrics["train/loss"], metrics["train/grad_norm"], grads, _flat_weights(trainer))
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = _free_port()
+    procs = [ctx.Process(target=_dp_worker, args=(r, 2, port, str(tiny_checkpoint), queue)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = [queue.get(timeout=120) for _ in procs]
+        for _, result in results:
+            assert not isinstance(result, str), result
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.exitcode is None:
+                p.terminate()
+    assert [p.exitcode for p in procs] == [0, 0]
+    for _, by_case in results:
+        for (shard, name), (loss, norm, grads, weights) in by_case.items():
+            want_loss, want_norm, want_grads, want_weights = expected[name]
+            assert loss == pytest.approx(want_loss, abs=1e-6), (shard, name)
+            assert norm == pytest.approx(want_norm, abs=1e-6), (shard, name)
+            assert (torch.from_numpy(grads) - want_grads).abs().max().item() < 1e-6, (shard, name)
+            assert (torch.from_numpy(weights) - want_weights).abs().max().item() < 1e-6, (shard, name)
+
+
+# -- (e) save / load -----------------------------------------------------------------------------------
+
+
+def test_save_load_round_trip_continues_identically(tiny_checkpoint, tmp_path):
+    config = _config(tiny_checkpoint, lr_warmup_iters=3, lr_decay_style="cosine", train_iters=10, min_lr=1e-4)
+    trainer, first_plugin = _trainer(config)
+    first_part = _part(_data(seed=1, rollout_log_probs=True), rollouts_per_step=3)
+    first = trainer.train(0, first_part)
+    # sample mean over step 0 of |old log-prob - rollout log-prob| (rollout log-probs are all -1 here)
+    seen, step0 = first_plugin.seen[0], first_part["steps"][0]
+    expected_diff = sum(((seen["log_probs"][i] + 1).abs() * seen["loss_masks"][i]).sum().item()
+                        / max(seen["rollout_mask_sums"][i], 1) for mb in step0["micro_batches"] for i in mb)
+    assert first["train/train_rollout_logprob_abs_diff"] == pytest.approx(expected_diff / step0["num_rollouts"])
+    assert len(first_part["steps"]) == 2 and first["train/lr"] > 0
+    trainer.save(str(tmp_path / "ckpt"))
+    assert {"model.safetensors", "config.json", "optimizer.pt", "rng_rank0.pt"} <= {
+        p.name for p in (tmp_path / "ckpt").iterdir()}
+    rng_after_save = torch.get_rng_state()
+    part = _part(_data(seed=2))
+    expected = trainer.train(1, copy.deepcopy(part))
+
+    fresh, plugin = _trainer(config)
+    torch.manual_seed(123)  # disturbed on purpose: load must restore the RNG
+    fresh.load(str(tmp_path / "ckpt"))
+    assert torch.equal(torch.get_rng_state(), rng_after_save)
+    got = fresh.train(1, copy.deepcopy(part))
+    assert got == pytest.approx(expected, abs=1e-7)
+    assert torch.equal(_flat_weights(fresh), _flat_weights(trainer))
+    # the reference policy is still the initial checkpoint, not the loaded weights
+    initial, _ = _trainer(config)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in
+               zip(plugin.seen[0]["ref_log_probs"], initial.compute_log_probs(part)))
+    assert not all(torch.allclose(a, b, atol=1e-6) for a, b in
+                   zip(plugin.seen[0]["ref_log_probs"], plugin.seen[0]["log_probs"]))
+
+
+# -- (f) LoRA -----------------------------------------------------------------------------------------
+
+
+def test_lora_trains_adapters_and_exports_merged_weights(tiny_checkpoint):
+    from transformers import AutoModelForCausalLM
+
+    config = _config(tiny_checkpoint, use_lora=True, lora_rank=4, lora_alpha=8, lr=1e-2)
+    trainer, plugin = _trainer(config)
+    base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    trainer.train(0, _part(_data()))
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    batch = plugin.seen[0]  # with LoRA the reference is the model with adapters disabled (B = 0 at start)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(batch["log_probs"], batch["ref_log_probs"]))
+
+    merged = trainer.named_weights()
+    assert all(torch.equal(p, base_before[n]) for n, p in trainer.model.named_parameters() if n in base_before)
+    plain = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint))
+    original = {k: v.clone() for k, v in plain.state_dict().items()}
+    assert set(merged) == set(original)
+    plain.load_state_dict(merged)
+    ids = torch.tensor([[5, 6, 7, 8, 9]])
+    trainer.model.eval()
+    with torch.no_grad():
+        assert (trainer.model(input_ids=ids).logits - plain(input_ids=ids).logits).abs().max().item() < 1e-5
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           original["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_lora_save_load_and_bf16_gradient_checkpointing_smoke(tiny_checkpoint, tmp_path):
+    config = _config(tiny_checkpoint, use_lora=True, lora_rank=4, lora_alpha=8, lr=1e-2, bf16=True,
+                     gradient_checkpointing=True)
+    trainer, _ = _trainer(config)
+    metrics = trainer.train(0, _part(_data()))
+    assert all(v == v for v in metrics.values())  # no NaN
+    trainer.save(str(tmp_path / "lora"))
+    assert (tmp_path / "lora" / "adapter_model.safetensors").is_file()
+    fresh, _ = _trainer(config)
+    fresh.load(str(tmp_path / "lora"))
+    assert torch.equal(_flat_weights(fresh), _flat_weights(trainer))
+
+
+# -- LR schedule ---------------------------------------------------------------------------------------
+
+
+def test_lr_schedule_shapes():
+    def f(**kw):
+        cfg = types.SimpleNamespace(**{"lr": 1.0, "min_lr": 0.1, "lr_warmup_iters": 2, "train_iters": 6,
+                                       "lr_decay_style": "linear"} | kw)
+        return [round(lr_lambda(cfg)(it), 6) for it in range(8)]
+
+    assert f() == [0.5, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1, 0.1]
+    assert f(lr_decay_style="cosine")[2:] == [1.0, pytest.approx(0.1 + 0.9 * 0.5 * (1 + 0.7071068), abs=1e-6),
+                                             0.55, pytest.approx(0.1 + 0.9 * 0.5 * (1 - 0.7071068), abs=1e-6),
+                                             0.1, 0.1]
+    assert f(lr_decay_style="constant") == [0.5] + [1.0] * 7
+    assert f(train_iters=None) == [0.5] + [1.0] * 7

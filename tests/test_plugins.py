@@ -1,0 +1,182 @@
+"""The plugin manager: discovery, start-up errors (each naming the plugin/hook and the remedy), calls."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from slimecore import hookimpl
+from slimecore.config import Config
+from slimecore.plugins import HookCallError, PluginError, installed_entry_points, load_plugins
+from slimecore.types import Sample
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def write_plugin(tmp_path: Path, name: str, body: str) -> str:
+    path = tmp_path / f"{name}.py"
+    path.write_text("from slimecore import hookimpl\n" + textwrap.dedent(body))
+    return str(path)
+
+
+def test_unknown_plugin_lists_installed_and_says_what_to_do():
+    with pytest.raises(PluginError) as err:
+        load_plugins(["grpoo"])
+    message = str(err.value)
+    assert "unknown plugin 'grpoo'" in message and "did you mean 'grpo'" in message
+    assert "Installed plugins:" in message and "slime-core plugins" in message
+
+
+def test_import_failure_names_plugin_and_cause(tmp_path):
+    spec = write_plugin(tmp_path, "broken", "import does_not_exist_anywhere\n")
+    with pytest.raises(PluginError) as err:
+        load_plugins([spec])
+    assert "broken" in str(err.value) and "does_not_exist_anywhere" in str(err.value)
+    assert "Fix the error in the plugin" in str(err.value)
+
+
+def test_missing_file_plugin(tmp_path):
+    with pytest.raises(PluginError, match="does not exist"):
+        load_plugins([str(tmp_path / "nope.py")])
+
+
+def test_misspelled_hook_suggests_the_right_name(tmp_path):
+    spec = write_plugin(tmp_path, "typo", """
+        @hookimpl
+        async def slime_rewrad(config, sample):
+            return 1.0
+    """)
+    with pytest.raises(PluginError) as err:
+        load_plugins([spec])
+    assert "'typo'" in str(err.value) and "slime_rewrad" in str(err.value) and "did you mean 'slime_reward'" in str(err.value)
+
+
+def test_undecorated_hook_is_an_error(tmp_path):
+    spec = write_plugin(tmp_path, "plain", """
+        async def slime_reward(config, sample):
+            return 1.0
+    """)
+    with pytest.raises(PluginError, match="without @slimecore.hookimpl"):
+        load_plugins([spec])
+
+
+def test_parameter_not_in_spec(tmp_path):
+    spec = write_plugin(tmp_path, "badargs", """
+        @hookimpl
+        async def slime_reward(config, sample, tokenizer):
+            return 1.0
+    """)
+    with pytest.raises(PluginError) as err:
+        load_plugins([spec])
+    assert "badargs" in str(err.value) and "tokenizer" in str(err.value) and "slime-core hooks" in str(err.value)
+
+
+def test_required_hook_without_answer():
+    hooks = load_plugins([])  # defaults only: nothing answers slime_loss / slime_compute_advantages
+    with pytest.raises(PluginError) as err:
+        hooks.check()
+    assert "slime_compute_advantages" in str(err.value) and "--plugin grpo" in str(err.value)
+    hooks.check(skip_required=["slime_compute_advantages", "slime_loss"])
+
+
+def test_two_plugins_answering_a_one_answer_hook(tmp_path):
+    a = write_plugin(tmp_path, "reward_a", "@hookimpl\nasync def slime_reward(config, sample):\n    return 1.0\n")
+    b = write_plugin(tmp_path, "reward_b", "@hookimpl\nasync def slime_reward(config, sample):\n    return 0.0\n")
+    hooks = load_plugins([a, b])
+    with pytest.raises(PluginError) as err:
+        hooks.check(skip_required=["slime_compute_advantages", "slime_loss"])
+    assert "'reward_b'" in str(err.value) and "'reward_a'" in str(err.value) and "slime_reward" in str(err.value)
+    assert "activate only one" in str(err.value)
+
+
+def test_a_plugin_replaces_the_default_and_errors_name_plugin_and_hook(tmp_path):
+    spec = write_plugin(tmp_path, "custom", """
+        @hookimpl
+        async def slime_reward(config, sample):
+            if sample.label == "boom":
+                raise RuntimeError("reward service down")
+            return 0.25
+    """)
+    hooks = load_plugins([spec])
+    assert hooks.plugin_name(hooks.answerer("slime_reward")) == "custom"
+    config = Config.make()
+    assert asyncio.run(hooks.reward(config=config, sample=Sample(label="x"))) == 0.25
+    with pytest.raises(HookCallError) as err:
+        asyncio.run(hooks.reward(config=config, sample=Sample(label="boom")))
+    assert err.value.plugin == "custom" and err.value.hook == "slime_reward" and "reward service down" in str(err.value)
+
+
+def test_sync_hook_error_and_none_answer(tmp_path):
+    class Bad:
+        @hookimpl
+        def slime_post_process_rewards(self, config, samples):
+            raise KeyError("label")
+
+    hooks = load_plugins([], extra=[Bad()])
+    with pytest.raises(HookCallError, match="raised in slime_post_process_rewards: KeyError"):
+        hooks.post_process_rewards(config=Config.make(), samples=[])
+
+    class Silent:
+        @hookimpl
+        def slime_post_process_rewards(self, config, samples):
+            return None
+
+    with pytest.raises(PluginError, match="returned None"):
+        load_plugins([], extra=[Silent()]).post_process_rewards(config=Config.make(), samples=[])
+
+
+def test_file_plugin_is_called_when_active():
+    spec = str(ROOT / "examples" / "my_reward.py")
+    hooks = load_plugins([spec])
+    assert hooks.plugin_name(hooks.answerer("slime_reward")) == "my_reward"
+    sample = Sample(label="42", response="It is 42")
+    assert asyncio.run(hooks.reward(config=Config.make(), sample=sample)) == 1.0
+
+
+def _install_example():
+    if "my_reward" not in installed_entry_points():
+        # a regular (not editable) install lands in site-packages, importable from this process at once
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "-c",
+                        str(ROOT / ".ci" / "constraints.txt"), str(ROOT / "examples" / "my-reward-plugin")],
+                       check=True)
+        importlib.invalidate_caches()
+
+
+def test_pip_installed_plugin_is_discovered_listed_and_called():
+    _install_example()
+    assert "my_reward" in installed_entry_points()
+    listing = subprocess.run([sys.executable, "-m", "slimecore_cli", "plugins", "--json"], capture_output=True,
+                             text=True, check=True)
+    import json
+
+    rows = {row["name"]: row for row in json.loads(listing.stdout)}
+    assert rows["my_reward"]["distribution"] == "my-reward-plugin"
+    assert rows["my_reward"]["hooks"] == ["slime_options", "slime_reward"]
+    hooks = load_plugins(["my_reward"])
+    options = hooks.declared_options()["my_reward"]
+    config = Config.make(plugin_values={"my_reward": {o.name: o.default for o in options} | {"length_penalty": 0.01}})
+    got = asyncio.run(hooks.reward(config=config, sample=Sample(label="7", response="7 apples")))
+    assert got == pytest.approx(1.0 - 0.08)
+
+
+def test_allow_and_deny_lists(monkeypatch):
+    monkeypatch.setenv("SLIMECORE_BLOCK_PLUGINS", "grpo")
+    assert "grpo" not in installed_entry_points()
+    with pytest.raises(PluginError, match="unknown plugin 'grpo'"):
+        load_plugins(["grpo"])
+    monkeypatch.delenv("SLIMECORE_BLOCK_PLUGINS")
+    monkeypatch.setenv("SLIMECORE_LOAD_PLUGINS", "grpo")
+    assert list(installed_entry_points()) == ["grpo"]
+
+
+def test_hook_tracing(monkeypatch, capsys):
+    monkeypatch.setenv("SLIMECORE_TRACE_HOOKS", "1")
+    hooks = load_plugins([])
+    hooks.post_process_rewards(config=Config.make(), samples=[Sample(reward=1.0)])
+    assert "[slimecore hook] slime_post_process_rewards -> slimecore.defaults.rollout" in capsys.readouterr().err

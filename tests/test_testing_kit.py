@@ -1,0 +1,38 @@
+"""The kit plugin authors get: fixtures and contract checks."""
+
+import pytest
+
+from slimecore import hookimpl
+from slimecore.testing.contract import ContractError, check_plugin_contract
+
+
+def test_fixtures_build_hooks_and_samples(slimecore_hooks, make_sample):
+    sample = make_sample(response_tokens=[7, 8], label="8")
+    assert sample.response_length == 2 and sample.loss_mask == [1, 1]
+    hooks = slimecore_hooks("grpo")
+    assert {p.name for p in hooks.plugins} >= {"grpo", "slimecore.defaults.reward"}
+
+
+def test_contract_accepts_real_plugins():
+    assert "slime_loss" in check_plugin_contract("grpo")
+    assert check_plugin_contract("slimecore.defaults.rollout") == ["slime_generate", "slime_post_process_rewards",
+                                                                    "slime_rollout"]
+
+
+class SyncReward:
+    @hookimpl
+    def slime_reward(self, config, sample):
+        return 1.0
+
+
+class ExtraParam:
+    @hookimpl
+    async def slime_reward(self, config, sample, tokenizer):
+        return 1.0
+
+
+def test_contract_rejects_wrong_async_and_parameters():
+    with pytest.raises(ContractError, match="async def"):
+        check_plugin_contract(SyncReward())
+    with pytest.raises(ContractError, match="tokenizer"):
+        check_plugin_contract(ExtraParam())
