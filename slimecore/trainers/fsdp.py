@@ -1,264 +1,471 @@
 """The ``fsdp`` training backend: an HF ``AutoModelForCausalLM`` trained with plain torch.
 
-On CPU (the default and the tests) each data-parallel rank holds a full replica and gradients are
-summed across ranks with gloo; because the loss reducer already divides by the step's rollout count
-(``slimecore.ops.reducers``), the sum is the exact gradient of the step objective regardless of how
-samples were split into micro-batches and ranks. On CUDA with several ranks the model is sharded with
-FSDP2 (``fully_shard``); that path is small and has not been run on CPU.
+Parallelism. Every data-parallel rank runs its own micro-batches (``slimecore.trainers.schedule``) and the
+gradients are **summed** across ranks: the loss reducer already divides by the step's global rollout (or
+token) count, so the sum is the exact gradient of the step objective whatever the micro-batching and DP
+split. Two ways to hold the weights:
+- replica (CPU default): every rank holds the full model; gradients are all-reduced in flat buckets.
+  With world size 1 no process group is needed.
+- FSDP2 (``torch.distributed.fsdp.fully_shard``, default on CUDA with world size > 1, or ``shard=True``):
+  decoder layers and the root are sharded; FSDP reduce-scatters with a divide factor of 1 (a sum).
+  The tests exercise it on CPU with gloo; it has not been run on GPUs here.
 
-Micro-batches are right-padded batches with an attention mask; the response slice of sample i is
-logits positions ``[prompt_len - 1, total_len - 1)`` scoring tokens ``[prompt_len, total_len)``.
+Micro-batches are right-padded batches with an attention mask (no sequence packing), so a sample's logits
+do not depend on its neighbours beyond kernel rounding (checked to 1e-6 in the tests). Sample i's response
+log-probs are logits rows ``[prompt_len - 1, len - 1)`` scoring tokens ``[prompt_len, len)``.
+
+Precision. Weights and optimizer state stay fp32; ``--bf16`` runs the forward in bf16 (autocast, or FSDP2's
+``MixedPrecisionPolicy`` with fp32 gradient reduction). Pure-bf16 weights would lose small Adam updates.
+Log-prob and entropy math is always fp32 (``slimecore.ops``).
+
+Reference policy (``ref_log_probs``): the initial weights. Full fine-tuning keeps a CPU copy of them (taken
+at construction, only when a plugin asks for ``ref_log_probs``) and swaps it into the same model for one
+forward; with LoRA it is the same model with the adapters disabled (no copy).
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import math
 import random
+import re
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
-from slimecore.ops.logprobs import entropy_from_logits, log_probs_from_logits
-from slimecore.ops.reducers import make_sample_mean_reducer, make_token_mean_reducer
+from slimecore.ops.logprobs import per_sample_response_log_probs
+from slimecore.ops.reducers import Reducer, make_sample_mean_reducer, make_token_mean_reducer
 
-TENSOR_KEYS = ("loss_masks", "rollout_log_probs")
+log = logging.getLogger("slimecore.fsdp")
+
+TENSOR_KEYS = ("loss_masks", "rollout_log_probs", "teacher_log_probs")  # per-sample lists -> fp32 tensors
+BUCKET_ELEMENTS = 1 << 24  # gradient all-reduce bucket (64 MiB of fp32)
 
 
 def lr_lambda(config):
-    """Multiplier on --lr for optimizer step ``it``: linear warm-up, then constant / linear / cosine decay."""
-    warmup, total, floor = config.lr_warmup_iters, config.train_iters, config.min_lr / config.lr if config.lr else 0.0
+    """LR multiplier for optimizer step ``it`` (0-based): linear warm-up, then constant / linear / cosine decay
+    to ``--min-lr`` at ``--train-iters`` (constant after warm-up when ``train_iters`` is None).
+
+    Matches Megatron's schedule except that warm-up step ``it`` uses ``(it + 1) / warmup`` rather than
+    ``it / warmup``, so the first update is not made with a learning rate of 0.
+    """
+    warmup, total = config.lr_warmup_iters or 0, config.train_iters
+    floor = config.min_lr / config.lr if config.lr else 0.0
 
     def factor(it: int) -> float:
-        if warmup and it < warmup:
+        if it < warmup:
             return (it + 1) / warmup
         if config.lr_decay_style == "constant" or not total:
             return 1.0
         progress = min(1.0, (it - warmup) / max(1, total - warmup))
         if config.lr_decay_style == "linear":
             return floor + (1 - floor) * (1 - progress)
-        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        if config.lr_decay_style == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        raise ValueError(f"unknown --lr-decay-style {config.lr_decay_style!r}; use constant, linear or cosine")
 
     return factor
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank holds: a DTensor's local shard, or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 class FSDPTrainer:
-    def __init__(self, config, hooks, rank: int = 0, world_size: int = 1, role: str = "actor"):
+    """One DP rank of one training role. The caller has initialised torch.distributed when world_size > 1.
+
+    ``hooks`` exposes ``train_inputs``, ``compute_advantages``, ``rollout_data_postprocess`` and ``loss``
+    (keyword arguments only), as ``slimecore.plugins.Hooks`` does.
+    """
+
+    def __init__(self, config, hooks, rank: int = 0, world_size: int = 1, role: str = "actor",
+                 process_group=None, shard: bool | None = None):
         from transformers import AutoModelForCausalLM
 
+        if world_size > 1 and not dist.is_initialized():
+            raise RuntimeError(f"FSDPTrainer(world_size={world_size}) needs torch.distributed initialised first")
         self.config, self.hooks, self.rank, self.world_size, self.role = config, hooks, rank, world_size, role
-        dtype = torch.bfloat16 if config.bf16 else torch.float32
-        self.model = AutoModelForCausalLM.from_pretrained(config.hf_checkpoint, dtype=dtype)
-        self.model.config.use_cache = False
+        self.group = process_group
+        cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        self.sharded = (cuda and world_size > 1) if shard is None else (shard and world_size > 1)
+
+        model = AutoModelForCausalLM.from_pretrained(config.hf_checkpoint, dtype=torch.float32)
+        model.config.use_cache = False
         if config.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            # non-reentrant: works when the inputs of a checkpointed block need no grad (frozen LoRA base)
+            if hasattr(model, "activation_checkpointing_enable"):  # the name in recent transformers 5.x
+                model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+            else:
+                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         if config.use_lora:
             from peft import LoraConfig, get_peft_model
 
-            self.model = get_peft_model(self.model, LoraConfig(
+            model = get_peft_model(model, LoraConfig(
                 r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(config.lora_target_modules),
-                lora_dropout=0.0, task_type="CAUSAL_LM"))
-        if torch.cuda.is_available():
-            self.model.cuda()
-            if world_size > 1:
-                from torch.distributed.fsdp import fully_shard
+                lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
+        self.model = model.to(self.device)
 
-                for layer in self.model.base_model.layers if hasattr(self.model.base_model, "layers") else []:
-                    fully_shard(layer)
-                fully_shard(self.model)
-        self.device = next(self.model.parameters()).device
+        if self.sharded:
+            self._shard()
+        # Taken before any load(), so the reference is the initial checkpoint; each rank keeps its own shards.
+        self._ref_params: dict[str, torch.Tensor] | None = None
+        if not config.use_lora and "ref_log_probs" in set(hooks.train_inputs(config=config, role=role)):
+            self._ref_params = {name: _local(p).detach().to("cpu", copy=True)
+                                for name, p in self.model.named_parameters()}
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                            eps=config.adam_eps, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
-        self._ref_state: dict[str, torch.Tensor] | None = None
-        self._sharded = torch.cuda.is_available() and world_size > 1
 
-    # -- forward ---------------------------------------------------------------------------
-    def _forward(self, tokens: list[list[int]], response_lengths: list[int], with_entropy: bool):
-        """Per-sample response log-probs (and entropy) for one micro-batch. Each 1-D, (response_length,)."""
+    def _shard(self) -> None:
+        """FSDP2: shard every decoder layer, then the root (embeddings, norm, head). Not run on GPUs here."""
+        from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+        from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+        mesh = (DeviceMesh.from_group(self.group, self.device.type) if self.group is not None
+                else init_device_mesh(self.device.type, (self.world_size,)))
+        policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if self.config.bf16
+                  else MixedPrecisionPolicy())
+        base = self.model.get_base_model() if self.config.use_lora else self.model
+        layer_types = set(getattr(base, "_no_split_modules", None) or ())
+        for module in self.model.modules():
+            if type(module).__name__ in layer_types:
+                fully_shard(module, mesh=mesh, mp_policy=policy)
+        fully_shard(self.model, mesh=mesh, mp_policy=policy)
+        for module in self.model.modules():
+            if isinstance(module, FSDPModule):
+                module.set_gradient_divide_factor(1.0)  # sum, not mean: the reducer already divides
+                module.set_force_sum_reduction_for_comms(True)  # plain SUM (gloo has no PREMUL_SUM)
+
+    # -- forward -------------------------------------------------------------------------------
+    def _autocast(self):
+        if self.config.bf16 and not self.sharded:  # FSDP2 casts through its MixedPrecisionPolicy instead
+            return torch.autocast(self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _forward(self, tokens: list[list[int]], response_lengths: list[int], temperature: float,
+                 with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """Per-sample response log-probs (and entropies) of one non-empty micro-batch, each ``(R_i,)``."""
         longest = max(len(t) for t in tokens)
-        ids = torch.zeros(len(tokens), longest, dtype=torch.long)  # (B, T), right padded
-        mask = torch.zeros(len(tokens), longest, dtype=torch.long)
-        for i, t in enumerate(tokens):
-            ids[i, :len(t)] = torch.tensor(t)
-            mask[i, :len(t)] = 1
-        logits = self.model(input_ids=ids.to(self.device), attention_mask=mask.to(self.device)).logits  # (B, T, V)
-        temperature = self.config.rollout_temperature
-        log_probs, entropy = [], []
-        for i, (t, r) in enumerate(zip(tokens, response_lengths)):
-            start, end = len(t) - r - 1, len(t) - 1
-            rows = logits[i, start:end]  # (R, V)
-            log_probs.append(log_probs_from_logits(rows, ids[i, start + 1:end + 1].to(self.device), temperature))
-            if with_entropy:
-                entropy.append(entropy_from_logits(rows, temperature))
-        return log_probs, entropy
+        ids = torch.zeros(len(tokens), longest, dtype=torch.long)  # (B, T), right-padded with id 0
+        attention = torch.zeros(len(tokens), longest, dtype=torch.long)  # (B, T)
+        for i, seq in enumerate(tokens):
+            ids[i, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
+            attention[i, :len(seq)] = 1
+        with self._autocast():
+            out = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device))
+        logits = out.logits  # (B, T, V)
+        return per_sample_response_log_probs(logits, tokens, response_lengths, temperature, with_entropy)
+
+    def _empty_forward(self) -> torch.Tensor:
+        """A rank with an empty micro-batch still runs a forward (and backward) of one token with zero
+        loss, so FSDP's all-gathers and reduce-scatters stay matched across ranks (slime's
+        ``loss += 0 * logits.sum()`` guard)."""
+        with self._autocast():
+            logits = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
+        return 0.0 * logits.float().sum()
 
     @torch.no_grad()
-    def compute_log_probs(self, data: dict) -> list[torch.Tensor]:
-        out: list[torch.Tensor | None] = [None] * len(data["tokens"])
+    def _score(self, data: dict, temperature: float, with_entropy: bool):
+        """No-grad log-probs (and entropies) of every local sample, micro-batched as the steps are. CPU fp32."""
+        n = len(data["tokens"])
+        log_probs: list[torch.Tensor | None] = [None] * n
+        entropy: list[torch.Tensor | None] = [None] * n
         self.model.eval()
         for step in data["steps"]:
             for mb in step["micro_batches"]:
-                if mb:
-                    lps, _ = self._forward([data["tokens"][i] for i in mb], [data["response_lengths"][i] for i in mb], False)
-                    for i, lp in zip(mb, lps):
-                        out[i] = lp.float().cpu()
-        return out
+                if not mb:
+                    self._empty_forward()
+                    continue
+                lps, ents = self._forward([data["tokens"][i] for i in mb], [data["response_lengths"][i] for i in mb],
+                                          temperature, with_entropy)
+                for k, i in enumerate(mb):
+                    log_probs[i] = lps[k].float().cpu()
+                    if with_entropy:
+                        entropy[i] = ents[k].float().cpu()
+        return log_probs, (entropy if with_entropy else None)
 
-    def _ref_log_probs(self, data: dict) -> list[torch.Tensor]:
-        """The reference policy = the initial weights, swapped into the same model (no extra process)."""
-        current = {k: v.detach().clone() for k, v in self.model.state_dict().items()}
-        self.model.load_state_dict(self._ref_state)
+    def compute_log_probs(self, data: dict, temperature: float | None = None) -> list[torch.Tensor]:
+        """Current-policy log-probs of every local sample (``(R_i,)`` each, CPU fp32), without gradient."""
+        temperature = self.config.rollout_temperature if temperature is None else temperature
+        return self._score(data, temperature, with_entropy=False)[0]
+
+    @contextlib.contextmanager
+    def _reference_weights(self):
+        """Swap the reference weights in (LoRA: disable the adapters), restore the current ones after."""
+        if self.config.use_lora:
+            with self.model.disable_adapter():
+                yield
+            return
+        if self._ref_params is None:
+            raise RuntimeError("ref_log_probs was not requested by slime_train_inputs when the trainer was built, "
+                               "so no reference copy exists; train_inputs must not depend on the step")
+        self._reshard()
+        current = {}
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                shard = _local(p)
+                current[name] = shard.detach().to("cpu", copy=True)
+                shard.copy_(self._ref_params[name])
         try:
-            return self.compute_log_probs(data)
+            yield
         finally:
-            self.model.load_state_dict(current)
+            self._reshard()
+            with torch.no_grad():
+                for name, p in self.model.named_parameters():
+                    _local(p).copy_(current[name])
 
-    # -- one rollout -------------------------------------------------------------------------
+    def _reshard(self) -> None:
+        """FSDP2 leaves the root's parameters gathered after a forward; shard them back so that
+        ``named_parameters`` yields this rank's shards."""
+        if self.sharded:
+            from torch.distributed.fsdp import FSDPModule
+
+            for module in self.model.modules():
+                if isinstance(module, FSDPModule):
+                    module.reshard()
+
+    # -- one rollout's training ----------------------------------------------------------------------
     def train(self, rollout_id: int, data: dict) -> dict[str, float]:
+        """Pre-compute the requested inputs, call the advantage and post-process hooks, then run one optimizer
+        step per ``data["steps"]`` entry. Returns ``train/*`` metrics (summed over ranks, mean over steps)."""
         config, role = self.config, self.role
-        if self._ref_state is None:
-            self._ref_state = {k: v.detach().cpu().clone() for k, v in self.model.state_dict().items()}
-        inputs = self.hooks.train_inputs(config=config, role=role)
+        inputs = set(self.hooks.train_inputs(config=config, role=role))
+        if "values" in inputs:
+            raise NotImplementedError("the fsdp trainer has no value head yet; slime_train_inputs asked for 'values'")
+        temperature = config.rollout_temperature
         batch = {k: v for k, v in data.items() if k != "steps"}
         for key in TENSOR_KEYS:
-            if key in batch:
-                batch[key] = [torch.tensor(v, dtype=torch.float32) for v in batch[key]]
+            if batch.get(key) is not None:
+                batch[key] = [torch.as_tensor(v, dtype=torch.float32) for v in batch[key]]
+
         metrics: dict[str, float] = {}
-        if "log_probs" in inputs or "rollout_log_probs" in batch:
-            batch["log_probs"] = self.compute_log_probs(data)
+        want_old = "log_probs" in inputs or batch.get("rollout_log_probs") is not None
+        if want_old or "entropy" in inputs:
+            log_probs, entropy = self._score(data, temperature, with_entropy="entropy" in inputs)
+            if want_old:
+                batch["log_probs"] = log_probs
+            if entropy is not None:
+                batch["entropy"] = entropy
         if "ref_log_probs" in inputs:
-            batch["ref_log_probs"] = self._ref_log_probs(data)
-        if "rollout_log_probs" in batch:
-            diffs = [((lp - rl).abs() * m).sum() / m.sum().clamp(min=1)
-                     for lp, rl, m in zip(batch["log_probs"], batch["rollout_log_probs"], batch["loss_masks"])]
-            stats = self._sum_across_ranks(torch.tensor([float(sum(diffs)), float(len(diffs))]))
-            metrics["train/train_rollout_logprob_abs_diff"] = (stats[0] / stats[1].clamp(min=1)).item()
+            with self._reference_weights():
+                batch["ref_log_probs"] = self._score(data, temperature, with_entropy=False)[0]
+        if batch.get("rollout_log_probs") is not None and data["steps"]:
+            metrics["train/train_rollout_logprob_abs_diff"] = self._logprob_abs_diff(batch, data["steps"][0])
+
         batch.update(self.hooks.compute_advantages(config=config, role=role, batch=batch))
         self.hooks.rollout_data_postprocess(config=config, rollout_id=rollout_id, batch=batch)
 
-        step_metrics: list[dict[str, float]] = []
         self.model.train()
-        for step in data["steps"]:
-            step_metrics.append(self._optimizer_step(batch, step, inputs))
-        for key in step_metrics[0] if step_metrics else []:
-            metrics[key] = sum(m[key] for m in step_metrics) / len(step_metrics)
+        per_step = [self._optimizer_step(batch, step) for step in data["steps"]]
+        for key in {k for m in per_step for k in m}:
+            values = [m[key] for m in per_step if key in m]
+            metrics[key] = sum(values) / len(values)
         return metrics
 
-    def _optimizer_step(self, batch: dict, step: dict, inputs: set[str]) -> dict[str, float]:
-        config = self.config
-        self.optimizer.zero_grad(set_to_none=False)
-        sums: dict[str, torch.Tensor] = {}
-        for mb in step["micro_batches"]:
-            if not mb:
-                continue  # an empty micro-batch contributes nothing; the all-reduce below still runs
-            mb_batch = {k: [v[i] for i in mb] for k, v in batch.items() if isinstance(v, list) and len(v) == len(batch["tokens"])}
-            log_probs, entropy = self._forward(mb_batch["tokens"], mb_batch["response_lengths"], True)
-            masks = [m.to(self.device) for m in mb_batch["loss_masks"]]
-            if config.calculate_per_token_loss:
-                reducer = make_token_mean_reducer(masks, step["num_tokens"])
+    def _micro_batch(self, batch: dict, mb: list[int]) -> dict:
+        """Rows ``mb`` of every per-sample list (tensors moved to the device); other values as they are."""
+        n = len(batch["tokens"])
+        out = {}
+        for key, value in batch.items():
+            if isinstance(value, list) and len(value) == n:
+                out[key] = [value[i].to(self.device) if isinstance(value[i], torch.Tensor) else value[i] for i in mb]
             else:
-                reducer = make_sample_mean_reducer(masks, mb_batch["rollout_mask_sums"], step["num_rollouts"])
-            outputs = {"log_probs": log_probs, "entropy": entropy}
-            loss, mb_metrics = self.hooks.loss(config=config, role=self.role, batch=mb_batch, outputs=outputs,
-                                               reducer=reducer)
+                out[key] = value
+        return out
+
+    def _reducer(self, mb_batch: dict, step: dict) -> Reducer:
+        masks = mb_batch["loss_masks"]
+        if self.config.calculate_per_token_loss:
+            return make_token_mean_reducer(masks, step["num_tokens"])
+        return make_sample_mean_reducer(masks, mb_batch["rollout_mask_sums"], step["num_rollouts"])
+
+    def _logprob_abs_diff(self, batch: dict, step: dict) -> float:
+        """``|old log-prob - rollout log-prob|`` reduced like the loss over the first step's samples."""
+        local = [i for mb in step["micro_batches"] for i in mb]
+        mb_batch = self._micro_batch(batch, local)
+        diffs = [(lp - roll).abs() for lp, roll in zip(mb_batch["log_probs"], mb_batch["rollout_log_probs"])]
+        share = self._reducer(mb_batch, step)(diffs).detach().float().cpu()
+        return self._sum_across_ranks({"d": float(share)})["d"]
+
+    def _optimizer_step(self, batch: dict, step: dict) -> dict[str, float]:
+        config = self.config
+        self.optimizer.zero_grad(set_to_none=True)
+        sums: dict[str, float] = {}
+        micro_batches = step["micro_batches"]
+        for k, mb in enumerate(micro_batches):
+            if self.sharded:  # reduce-scatter once, after the last micro-batch
+                self.model.set_requires_gradient_sync(k == len(micro_batches) - 1)
+            if not mb:
+                self._empty_forward().backward()
+                continue
+            mb_batch = self._micro_batch(batch, mb)
+            log_probs, entropy = self._forward(mb_batch["tokens"], mb_batch["response_lengths"],
+                                               config.rollout_temperature, with_entropy=True)
+            loss, mb_metrics = self.hooks.loss(config=config, role=self.role, batch=mb_batch,
+                                               outputs={"log_probs": log_probs, "entropy": entropy},
+                                               reducer=self._reducer(mb_batch, step))
             loss.backward()
-            for key, value in {"loss": loss, **mb_metrics}.items():
-                sums[key] = sums.get(key, torch.zeros(())) + value.detach().float().cpu()
+            for key, value in {"loss": loss.detach(), **mb_metrics}.items():
+                sums[key] = sums.get(key, 0.0) + float(value)
+
         self._all_reduce_grads()
-        if config.clip_grad > 0:
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, config.clip_grad)
-        else:
-            grad_norm = torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params]))
-        self.optimizer.step()
+        grad_norm = self._clip_grad()
         lr = self.optimizer.param_groups[0]["lr"]
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:  # an update with NaN/inf gradients would corrupt the weights for good
+            log.warning("gradient norm is %s; skipping this optimizer step", grad_norm)
         self.scheduler.step()
-        reduced = self._reduce_metrics(sums)
-        reduced.update({"train/grad_norm": float(grad_norm), "train/lr": lr})
-        return reduced
+        metrics = {f"train/{k}": v for k, v in self._sum_across_ranks(sums).items()}
+        metrics.update({"train/grad_norm": grad_norm, "train/lr": lr})
+        return metrics
 
-    # -- collectives -------------------------------------------------------------------------
-    def _distributed(self) -> bool:
-        return self.world_size > 1 and dist.is_initialized()
-
-    def _sum_across_ranks(self, t: torch.Tensor) -> torch.Tensor:
-        if self._distributed():
-            dist.all_reduce(t)
-        return t
-
+    # -- collectives ---------------------------------------------------------------------------------
     def _all_reduce_grads(self) -> None:
+        """Replica mode: sum gradients over the DP ranks in flat buckets (FSDP2 already reduce-scattered)."""
         for p in self.params:
-            if p.grad is None:
+            if p.grad is None:  # a parameter no micro-batch touched still takes part in the sum
                 p.grad = torch.zeros_like(p)
-        if not self._distributed() or self._sharded:
-            return  # FSDP2 reduces gradients itself
-        flat = torch.cat([p.grad.reshape(-1) for p in self.params])
-        dist.all_reduce(flat)
-        offset = 0
-        for p in self.params:
-            p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-            offset += p.numel()
+        if self.world_size == 1 or self.sharded:
+            return
+        bucket: list[torch.Tensor] = []
+        for i, p in enumerate(self.params):
+            bucket.append(p.grad)
+            if sum(g.numel() for g in bucket) >= BUCKET_ELEMENTS or i == len(self.params) - 1:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=self.group)
+                for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                    g.copy_(part.view_as(g))
+                bucket = []
 
-    def _reduce_metrics(self, sums: dict[str, torch.Tensor]) -> dict[str, float]:
-        """Sum each metric's shares across ranks; ranks with only empty micro-batches report no keys."""
-        if self._distributed():
-            gathered: list[dict] = [None] * self.world_size
-            dist.all_gather_object(gathered, {k: float(v) for k, v in sums.items()})
-            keys = sorted({k for g in gathered for k in g})
-            return {f"train/{k}": sum(g.get(k, 0.0) for g in gathered) for k in keys}
-        return {f"train/{k}": float(v) for k, v in sums.items()}
+    def _clip_grad(self) -> float:
+        """Global gradient norm (all ranks; grads are already reduced), clipped to ``--clip-grad`` if > 0."""
+        if self.config.clip_grad > 0:
+            norm = torch.nn.utils.clip_grad_norm_(self.params, self.config.clip_grad)
+        else:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in self.params])
+        return float(_full(norm))
 
-    # -- weights and checkpoints ---------------------------------------------------------------
+    def _sum_across_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Sum each key over the ranks; a rank that lacks a key (only empty micro-batches) adds 0."""
+        if self.world_size == 1:
+            return dict(values)
+        gathered: list[dict | None] = [None] * self.world_size
+        dist.all_gather_object(gathered, values, group=self.group)
+        return {k: sum(g.get(k, 0.0) for g in gathered) for k in sorted({k for g in gathered for k in g})}
+
+    # -- weights and checkpoints ----------------------------------------------------------------------
+    def _state_dict(self) -> dict[str, torch.Tensor]:
+        """Full model state on CPU under the model's own names. Collective when sharded (rank 0 gets it)."""
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return {k: v.detach().to("cpu", copy=True) for k, v in self.model.state_dict().items()}
+
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """Full HF-named weights on CPU (LoRA adapters merged) for the engines."""
-        model = self.model
-        if self.config.use_lora:
-            model.merge_adapter()
-            try:
-                state = {k.replace("base_model.model.", "", 1).replace(".base_layer", ""): v.detach().cpu().clone()
-                         for k, v in model.state_dict().items() if "lora_" not in k}
-            finally:
-                model.unmerge_adapter()
+        """HF-named full weights on CPU for the engines, LoRA merged (``W + scaling * B @ A``, computed out of
+        place so the trained base weights never drift through merge/unmerge). Collective when sharded:
+        every rank must call it; only rank 0 gets the weights (the others an empty dict)."""
+        state = self._state_dict()
+        if not self.config.use_lora or not state:
             return state
-        return {k: v.detach().cpu().float().clone().contiguous() if self.config.bf16 else v.detach().cpu().clone()
-                for k, v in model.state_dict().items()}
+        from peft.tuners.lora import LoraLayer
+
+        adapter = self.model.active_adapter
+        scaling = {name: module.scaling[adapter] for name, module in self.model.named_modules()
+                   if isinstance(module, LoraLayer)}
+        merged = {}
+        for key, value in state.items():
+            if ".lora_" in key:
+                continue
+            if key.endswith(".base_layer.weight"):
+                module = key[: -len(".base_layer.weight")]
+                a, b = state[f"{module}.lora_A.{adapter}.weight"], state[f"{module}.lora_B.{adapter}.weight"]
+                value = (value.float() + (b.float() @ a.float()) * scaling[module]).to(value.dtype)  # (out, in)
+            merged[key.replace(".base_layer.", ".").removeprefix("base_model.model.")] = value
+        return merged
 
     def save(self, directory: str) -> None:
+        """Write ``directory``: the model via ``save_pretrained`` (HF safetensors; the adapter only with LoRA),
+        ``optimizer.pt`` (optimizer + LR scheduler; one ``optimizer_rank{r}.pt`` per rank when sharded) unless
+        ``--no-save-optim``, and ``rng_rank{r}.pt`` (torch / python / numpy RNG) per rank."""
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
+        state = self._state_dict() if self.sharded else None  # gathering shards is a collective
         if self.rank == 0:
-            self.model.save_pretrained(path / "model", safe_serialization=True)
-            if not self.config.no_save_optim:
-                torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                            "ref_state": self._ref_state}, path / "optimizer.pt")
-        torch.save({"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()},
-                   path / f"rng_{self.rank}.pt")
+            self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
+        if not self.config.no_save_optim and (self.sharded or self.rank == 0):
+            torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
+                       path / self._optimizer_file())
+        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        torch.save(rng, path / f"rng_rank{self.rank}.pt")
+
+    def _optimizer_file(self) -> str:
+        # replica ranks hold identical optimizer state, so one file serves all; FSDP2 shards it per rank
+        return f"optimizer_rank{self.rank}.pt" if self.sharded else "optimizer.pt"
 
     def load(self, directory: str) -> None:
+        """Restore what ``save`` wrote. The reference policy stays the initial checkpoint."""
         from safetensors.torch import load_file
 
         path = Path(directory)
-        files = sorted((path / "model").glob("*.safetensors"))
+        files = sorted(path.glob("adapter_model.safetensors" if self.config.use_lora else "model*.safetensors"))
         if not files:
-            raise FileNotFoundError(f"{path / 'model'} holds no *.safetensors; is this a slime-core checkpoint?")
-        state = {}
+            raise FileNotFoundError(f"{path} holds no {'adapter_model' if self.config.use_lora else 'model'}"
+                                    "*.safetensors; point --load at a directory written by --save")
+        state: dict[str, torch.Tensor] = {}
         for file in files:
             state.update(load_file(str(file)))
-        missing, unexpected = self.model.load_state_dict(state, strict=False)
-        real_missing = [k for k in missing if not (k == "lm_head.weight" and self.model.config.tie_word_embeddings)]
-        if real_missing or unexpected:
-            raise ValueError(f"checkpoint {path} does not match the model: missing {real_missing[:5]}, "
-                             f"unexpected {unexpected[:5]}")
-        if (path / "optimizer.pt").is_file():
-            saved = torch.load(path / "optimizer.pt", weights_only=False)
+        if self.config.use_lora:  # peft saves adapter keys without the adapter name
+            adapter = self.model.active_adapter
+            state = {re.sub(r"\.(lora_[AB])\.weight$", rf".\1.{adapter}.weight", k): v for k, v in state.items()}
+        self._load_state(state, str(path))
+
+        opt_file = path / self._optimizer_file()
+        if opt_file.is_file():
+            saved = torch.load(opt_file, weights_only=False)
             self.optimizer.load_state_dict(saved["optimizer"])
             self.scheduler.load_state_dict(saved["scheduler"])
-            self._ref_state = saved["ref_state"]
-        rng_file = path / f"rng_{self.rank}.pt"
+        elif not self.config.no_save_optim:
+            raise FileNotFoundError(f"{opt_file} is missing; the checkpoint was saved with --no-save-optim? "
+                                    "Pass --no-save-optim to resume with a fresh optimizer")
+        rng_file = path / f"rng_rank{self.rank}.pt"
         if rng_file.is_file():
             rng = torch.load(rng_file, weights_only=False)
             torch.set_rng_state(rng["torch"])
             random.setstate(rng["python"])
             np.random.set_state(rng["numpy"])
+            if "cuda" in rng and torch.cuda.is_available():
+                torch.cuda.set_rng_state(rng["cuda"])
+
+    def _load_state(self, state: dict[str, torch.Tensor], where: str) -> None:
+        trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}
+        known = set(self.model.state_dict())
+        unexpected = sorted(set(state) - known)
+        missing = sorted(trainable - set(state))
+        if unexpected or missing:
+            raise ValueError(f"checkpoint {where} does not match the model: missing {missing[:5]}, unexpected "
+                             f"{unexpected[:5]} (was it saved with the same --hf-checkpoint and --use-lora?)")
+        if self.sharded:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            set_model_state_dict(self.model, state, options=StateDictOptions(full_state_dict=True, strict=False))
+        else:
+            self.model.load_state_dict(state, strict=False)

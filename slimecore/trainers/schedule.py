@@ -1,42 +1,63 @@
-"""Data-parallel schedule, built on the rollout manager ("pack first, distribute second", slime 1.5).
+"""Data-parallel schedule, built on the rollout manager: "pack first, distribute second" (slime reference 1.5).
 
-1. Samples are grouped by rollout id; each optimizer step takes exactly ``global_batch_size`` rollouts
-   (a trailing incomplete step is dropped and counted).
-2. A step's samples are packed into micro-batches: first-fit under ``max_tokens_per_gpu`` (dynamic) or
-   chunks of ``micro_batch_size`` (static). A sample longer than the budget gets a micro-batch alone.
-3. The micro-batch count is raised to a multiple of the DP size by splitting the largest bins; when a
-   step has fewer samples than ranks, some ranks get an empty micro-batch (zero loss, same collectives).
-4. Micro-batches go to ranks round-robin, so every rank runs the same number of micro-batches.
+1. Samples are grouped by rollout id (a rollout is never split across steps). Each optimizer step takes
+   exactly ``global_batch_size`` rollouts, in order of first appearance; the trailing rollouts that do not
+   fill a step are dropped and counted (``Schedule.dropped_rollouts``, logged).
+2. Each step's samples are packed into micro-batches: first-fit under ``max_tokens_per_gpu`` tokens
+   (dynamic batching) or chunks of ``micro_batch_size`` samples (static). A sample longer than the budget
+   gets a micro-batch of its own and a logged warning; it is never dropped.
+3. The micro-batch count is raised to a multiple of the DP size by splitting the micro-batch with the most
+   tokens in two (balanced by tokens). slime does this in dynamic mode and asserts in static mode; we split
+   in both, since a smaller micro-batch changes nothing in the objective (``slimecore.ops.reducers``).
+   When a step has fewer samples than ranks, the remaining ranks get empty micro-batches: the trainer runs
+   them as zero-loss forwards so every rank issues the same collectives.
+4. Micro-batches are sorted by token count (largest first) and dealt to ranks round-robin, so every rank
+   gets the same number per step and roughly the same tokens.
+
+``split_for_ranks`` then slices the manager's column dict for each rank (format in its docstring).
 """
 
 from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from typing import Sequence
 
 log = logging.getLogger("slimecore.schedule")
 
 
 @dataclass
+class StepPlan:
+    """One optimizer step: its global samples, and per rank the micro-batches of global sample indices."""
+
+    samples: list[int]
+    rank_micro_batches: list[list[list[int]]]  # [rank][micro-batch] -> global sample indices
+
+
+@dataclass
 class Schedule:
-    partitions: list[list[int]]  # per rank: global sample indices owned, in local order
-    steps: list[list[dict]]  # per rank, per step: {"micro_batches": [[local idx]], "num_rollouts", "num_tokens"}
+    steps: list[StepPlan]
+    dp_size: int
     dropped_rollouts: int = 0
+    dropped_samples: list[int] = field(default_factory=list)
     oversized_samples: list[int] = field(default_factory=list)
 
+    def partition(self, rank: int) -> list[int]:
+        """Global sample indices owned by ``rank``, in local order (step by step, micro-batch by micro-batch)."""
+        return [i for step in self.steps for mb in step.rank_micro_batches[rank] for i in mb]
 
-def _pack(indices: list[int], lengths: list[int], micro_batch_size: int | None, max_tokens: int | None,
+
+def _pack(members: list[int], lengths: Sequence[int], micro_batch_size: int | None, max_tokens: int | None,
           oversized: list[int]) -> list[list[int]]:
     if max_tokens is None:
-        size = micro_batch_size or 1
-        return [indices[i:i + size] for i in range(0, len(indices), size)]
+        return [members[i:i + micro_batch_size] for i in range(0, len(members), micro_batch_size)]
     bins: list[list[int]] = []
     loads: list[int] = []
-    for i in indices:
+    for i in members:
         if lengths[i] > max_tokens:
+            log.warning("sample %d has %d tokens, more than --max-tokens-per-gpu %d; it gets a micro-batch of its "
+                        "own", i, lengths[i], max_tokens)
             oversized.append(i)
-            log.warning("sample %d has %d tokens, more than --max-tokens-per-gpu %d; it gets a micro-batch alone",
-                        i, lengths[i], max_tokens)
             bins.append([i])
             loads.append(lengths[i])
             continue
@@ -51,63 +72,104 @@ def _pack(indices: list[int], lengths: list[int], micro_batch_size: int | None, 
     return bins
 
 
-def _split_to_multiple(bins: list[list[int]], lengths: list[int], dp_size: int) -> list[list[int]]:
+def _split_in_two(bin_: list[int], lengths: Sequence[int]) -> tuple[list[int], list[int]]:
+    """Cut a micro-batch where the token prefix first reaches half (both parts non-empty)."""
+    total, prefix = sum(lengths[i] for i in bin_), 0
+    for cut in range(1, len(bin_)):
+        prefix += lengths[bin_[cut - 1]]
+        if 2 * prefix >= total:
+            return bin_[:cut], bin_[cut:]
+    return bin_[:-1], bin_[-1:]
+
+
+def _to_multiple(bins: list[list[int]], lengths: Sequence[int], dp_size: int) -> list[list[int]]:
     while len(bins) % dp_size:
-        largest = max(range(len(bins)), key=lambda b: (len(bins[b]) > 1, sum(lengths[i] for i in bins[b])))
-        if len(bins[largest]) > 1:
-            half = len(bins[largest]) // 2
-            bins[largest:largest + 1] = [bins[largest][:half], bins[largest][half:]]
-        else:
-            bins.append([])  # fewer samples than ranks: an empty micro-batch keeps collectives aligned
+        splittable = [b for b in range(len(bins)) if len(bins[b]) > 1]
+        if not splittable:
+            bins.append([])  # fewer samples than ranks: an empty micro-batch keeps the ranks in step
+            continue
+        largest = max(splittable, key=lambda b: sum(lengths[i] for i in bins[b]))
+        bins[largest:largest + 1] = list(_split_in_two(bins[largest], lengths))
     return bins
 
 
-def build_dp_schedule(rollout_ids: list[int], lengths: list[int], global_batch_size: int, dp_size: int,
-                      micro_batch_size: int | None = 1, max_tokens_per_gpu: int | None = None) -> Schedule:
-    order: dict[int, list[int]] = {}
+def build_dp_schedule(rollout_ids: Sequence[int], lengths: Sequence[int], global_batch_size: int, dp_size: int,
+                      micro_batch_size: int | None = None, max_tokens_per_gpu: int | None = None) -> Schedule:
+    """Plan every optimizer step of one rollout batch (see the module docstring).
+
+    ``lengths`` are total token counts (prompt + response) per sample. Dynamic batching is used when
+    ``max_tokens_per_gpu`` is given (``micro_batch_size`` is then ignored), static otherwise.
+    """
+    if len(rollout_ids) != len(lengths):
+        raise ValueError(f"{len(rollout_ids)} rollout ids but {len(lengths)} lengths")
+    if global_batch_size is None or global_batch_size < 1:
+        raise ValueError(f"--global-batch-size must be >= 1 (got {global_batch_size})")
+    if dp_size < 1:
+        raise ValueError(f"the data-parallel size must be >= 1 (got {dp_size})")
+    if max_tokens_per_gpu is None and (micro_batch_size is None or micro_batch_size < 1):
+        raise ValueError("set --micro-batch-size (>= 1) or --use-dynamic-batch-size with --max-tokens-per-gpu")
+    if max_tokens_per_gpu is not None and max_tokens_per_gpu < 1:
+        raise ValueError(f"--max-tokens-per-gpu must be >= 1 (got {max_tokens_per_gpu})")
+
+    by_rollout: dict[int, list[int]] = {}
     for i, rid in enumerate(rollout_ids):
-        order.setdefault(rid, []).append(i)
-    rollouts = list(order.values())
+        by_rollout.setdefault(rid, []).append(i)
+    rollouts = list(by_rollout.values())
     num_steps = len(rollouts) // global_batch_size
-    dropped = len(rollouts) - num_steps * global_batch_size
-    if dropped:
-        log.warning("%d rollouts do not fill an optimizer step of --global-batch-size %d and are not trained",
-                    dropped, global_batch_size)
-    partitions: list[list[int]] = [[] for _ in range(dp_size)]
-    steps: list[list[dict]] = [[] for _ in range(dp_size)]
+    kept = num_steps * global_batch_size
+    dropped_samples = [i for r in rollouts[kept:] for i in r]
+    if len(rollouts) > kept:
+        log.warning("%d of %d rollouts (%d samples) do not fill an optimizer step of --global-batch-size %d and "
+                    "are not trained", len(rollouts) - kept, len(rollouts), len(dropped_samples), global_batch_size)
+
     oversized: list[int] = []
-    for step in range(num_steps):
-        members = [i for r in rollouts[step * global_batch_size:(step + 1) * global_batch_size] for i in r]
-        bins = _split_to_multiple(_pack(members, lengths, micro_batch_size, max_tokens_per_gpu, oversized),
-                                  lengths, dp_size)
-        num_tokens = None  # filled by split_for_ranks from the loss masks
-        for rank in range(dp_size):
-            local = []
-            for b in bins[rank::dp_size]:
-                start = len(partitions[rank])
-                partitions[rank].extend(b)
-                local.append(list(range(start, start + len(b))))
-            steps[rank].append({"micro_batches": local, "num_rollouts": global_batch_size, "num_tokens": num_tokens,
-                                "members": members})
-    return Schedule(partitions, steps, dropped, oversized)
-
-
-PER_SAMPLE_KEYS = ("tokens", "response_lengths", "loss_masks", "rewards", "raw_rewards", "rollout_log_probs",
-                   "rollout_ids", "sample_indices", "truncated", "weight_versions")
+    steps = []
+    for s in range(num_steps):
+        members = [i for r in rollouts[s * global_batch_size:(s + 1) * global_batch_size] for i in r]
+        bins = _to_multiple(_pack(members, lengths, micro_batch_size, max_tokens_per_gpu, oversized), lengths, dp_size)
+        bins.sort(key=lambda b: -sum(lengths[i] for i in b))  # stable: ties keep packing order
+        steps.append(StepPlan(members, [bins[r::dp_size] for r in range(dp_size)]))
+    return Schedule(steps, dp_size, len(rollouts) - kept, dropped_samples, oversized)
 
 
 def split_for_ranks(train_data: dict, schedule: Schedule) -> list[dict]:
-    """Slice the manager's columns per rank and attach the loss denominators and the step layout."""
+    """Slice the manager's column dict into one dict per DP rank.
+
+    ``train_data`` holds per-sample lists (``tokens``, ``response_lengths``, ``loss_masks``, ``rewards``,
+    ``raw_rewards``, ``rollout_ids``, ``sample_indices``, ``truncated``, optional ``rollout_log_probs``,
+    ``weight_versions`` ...). Every list with one entry per sample is sliced to the rank's samples in local
+    order; anything else (whole-batch values) is copied to every rank unchanged. Added per rank:
+    - ``rollout_mask_sums``: per sample, the loss-mask tokens of all samples of its rollout (``D_i``);
+    - ``steps``: per optimizer step ``{"micro_batches": [[local index, ...], ...], "num_rollouts": B,
+      "num_tokens": N}``, where B is the step's rollouts with at least one trainable token over all ranks
+      and N its mask tokens over all ranks (the reducers' global denominators).
+
+    B departs from slime on purpose (DESIGN.md section 8): slime also counts rollouts whose loss mask is all
+    zeros (``remove_sample``), which shrinks every other rollout's weight; here such a rollout adds nothing to
+    the numerator and nothing to B. With no fully masked rollout the two agree.
+    """
+    n = len(train_data["tokens"])
     masks = train_data["loss_masks"]
+    rollout_ids = train_data["rollout_ids"]
+    mask_tokens = [int(sum(m)) for m in masks]
     per_rollout: dict[int, int] = {}
-    for rid, mask in zip(train_data["rollout_ids"], masks):
-        per_rollout[rid] = per_rollout.get(rid, 0) + sum(mask)
-    mask_sums = [float(per_rollout[rid]) for rid in train_data["rollout_ids"]]
+    for rid, count in zip(rollout_ids, mask_tokens):
+        per_rollout[rid] = per_rollout.get(rid, 0) + count
+
     out = []
-    for rank, part in enumerate(schedule.partitions):
-        data = {key: [train_data[key][i] for i in part] for key in PER_SAMPLE_KEYS if key in train_data}
-        data["rollout_mask_sums"] = [mask_sums[i] for i in part]
-        data["steps"] = [{"micro_batches": s["micro_batches"], "num_rollouts": s["num_rollouts"],
-                          "num_tokens": sum(sum(masks[i]) for i in s["members"])} for s in schedule.steps[rank]]
+    for rank in range(schedule.dp_size):
+        part = schedule.partition(rank)
+        local = {g: k for k, g in enumerate(part)}
+        data = {key: ([value[i] for i in part] if isinstance(value, list) and len(value) == n else value)
+                for key, value in train_data.items()}
+        data["rollout_mask_sums"] = [float(per_rollout[rollout_ids[i]]) for i in part]
+        data["steps"] = []
+        for step in schedule.steps:
+            step_rollouts = {rollout_ids[i] for i in step.samples}
+            data["steps"].append({
+                "micro_batches": [[local[i] for i in mb] for mb in step.rank_micro_batches[rank]],
+                "num_rollouts": sum(1 for rid in step_rollouts if per_rollout[rid] > 0),
+                "num_tokens": sum(mask_tokens[i] for i in step.samples),
+            })
         out.append(data)
     return out
