@@ -1,0 +1,1 @@
+"""slimecore.rollout."""
