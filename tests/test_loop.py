@@ -4,11 +4,9 @@ the grpo plugin, on a tiny random model. Each run is its own process, as a user 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -91,19 +89,15 @@ def test_sigkill_then_resume_continues_with_the_same_prompts(tiny_checkpoint, tm
     ref = tmp_path / "ref"
     _run(_train_args(tiny_checkpoint, ref / "log", "--num-rollout", "4", "--rollout-shuffle",
                      "--save-debug-rollout-data", str(ref / "dump_{rollout_id}.pt")))
-    # the same run, killed with SIGKILL once step 1's checkpoint is complete
+    # the same run, killed with SIGKILL right after step 1 (its checkpoint is complete)
     run = tmp_path / "run"
     save = run / "ckpt"
     args = _train_args(tiny_checkpoint, run / "log", "--num-rollout", "4", "--rollout-shuffle", "--save", str(save),
-                       "--save-interval", "1", "--save-debug-rollout-data", str(run / "dump_{rollout_id}.pt"))
+                       "--save-interval", "1", "--save-debug-rollout-data", str(run / "dump_{rollout_id}.pt"),
+                       "--plugin", str(Path(__file__).parent / "kill_plugin.py"), "--kill-after-step", "1")
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    marker = save / "latest_checkpointed_iteration.txt"
-    deadline = time.time() + 240
-    while time.time() < deadline and not (marker.is_file() and marker.read_text().strip() == "1"):
-        assert proc.poll() is None, "training exited before the checkpoint of step 1"
-        time.sleep(0.2)
-    os.killpg(proc.pid, signal.SIGKILL)
-    proc.wait(timeout=30)
+    assert proc.wait(timeout=240) == -signal.SIGKILL
+    assert (save / "latest_checkpointed_iteration.txt").read_text() == "1"
     # resume: continues at step 2 with exactly the prompts the uninterrupted run used
     _run(_train_args(tiny_checkpoint, run / "log2", "--num-rollout", "4", "--rollout-shuffle", "--load", str(save),
                      "--save-debug-rollout-data", str(run / "resumed_{rollout_id}.pt")))

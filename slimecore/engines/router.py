@@ -6,6 +6,7 @@ before any worker has registered, so it proves nothing.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import signal
@@ -35,6 +36,12 @@ def _http(method: str, url: str, body: dict | None = None, timeout: float = 10) 
         return exc.code, exc.read()
 
 
+def _die_with_parent() -> None:
+    """Linux: the router gets SIGTERM when the process that started it dies, even by SIGKILL."""
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 class Router:
     def __init__(self, worker_urls: list[str], policy: str = "round_robin", host: str = "127.0.0.1",
                  port: int | None = None, startup_timeout: float = 120, log_dir: str | None = None):
@@ -56,7 +63,8 @@ class Router:
         if self.worker_urls:
             args += ["--worker-urls", *self.worker_urls]
         self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=_die_with_parent)
         self.wait_ready(len(self.worker_urls))
         return self
 

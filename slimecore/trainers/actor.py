@@ -58,16 +58,23 @@ class TrainActor:
         return metrics
 
     def named_weights(self):
-        return self.backend.named_weights()
+        """Rank 0's full HF-named weights. Every rank is called: gathering sharded weights is collective."""
+        if self.rank != 0 and not getattr(self.backend, "sharded", False):
+            return None
+        weights = self.backend.named_weights()
+        return weights if self.rank == 0 else None
 
-    def save_weights(self, directory: str) -> str:
-        """Write HF safetensors for the disk transport (rank 0)."""
+    def save_weights(self, directory: str) -> str | None:
+        """Write HF safetensors for the disk transport (rank 0 writes; every rank takes part)."""
         from safetensors.torch import save_file
 
+        weights = self.named_weights()
+        if weights is None:
+            return None
         path = Path(directory)
         path.mkdir(parents=True, exist_ok=True)
         tmp = path / "model.safetensors.tmp"
-        save_file({k: v.contiguous() for k, v in self.backend.named_weights().items()}, str(tmp))
+        save_file({k: v.contiguous() for k, v in weights.items()}, str(tmp))
         os.replace(tmp, path / "model.safetensors")
         return str(path)
 
@@ -118,8 +125,8 @@ class TrainGroup:
     def weights_ref(self, directory: str | None = None):
         """Rank 0's weights: an object-store ref, or (disk transport) a directory it wrote."""
         if directory is not None:
-            return ray_get(self.actors[0].save_weights.remote(directory), "rank 0 to write weights", self.config.ray_timeout)
-        return self.actors[0].named_weights.remote()
+            return self._all("save_weights", directory, what=f"rank 0 to write weights to {directory}")[0]
+        return [a.named_weights.remote() for a in self.actors][0]  # the other ranks return None
 
     def save(self, directory: str) -> None:
         self._all("save", directory, what=f"train ranks to save a checkpoint in {directory}")
