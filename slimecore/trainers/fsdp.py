@@ -37,7 +37,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from slimecore.ops.logprobs import per_sample_response_log_probs
+from slimecore.ops.logprobs import log_probs_and_entropy
 from slimecore.ops.reducers import Reducer, make_sample_mean_reducer, make_token_mean_reducer
 
 log = logging.getLogger("slimecore.fsdp")
@@ -166,10 +166,19 @@ class FSDPTrainer:
         for i, seq in enumerate(tokens):
             ids[i, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             attention[i, :len(seq)] = 1
+        # Only positions that predict a response token need the LM head: ask the model for logits there
+        # alone (``logits_to_keep`` with positions), which saves the (B, T, V) logits of every prompt.
+        rows_b = torch.cat([torch.full((r,), i) for i, r in enumerate(response_lengths)])  # (N,)
+        rows_t = torch.cat([torch.arange(len(t) - r - 1, len(t) - 1) for t, r in zip(tokens, response_lengths)])
+        keep, column = torch.unique(rows_t, return_inverse=True)  # (K,), (N,)
         with self._autocast():
-            out = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device))
-        logits = out.logits  # (B, T, V)
-        return per_sample_response_log_probs(logits, tokens, response_lengths, temperature, with_entropy)
+            out = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
+                             logits_to_keep=keep.to(self.device))
+        rows = out.logits[rows_b.to(self.device), column.to(self.device)]  # (N, V)
+        targets = ids[rows_b, rows_t + 1].to(self.device)  # (N,)
+        log_probs, entropy = log_probs_and_entropy(rows, targets, temperature, with_entropy)
+        split = list(response_lengths)
+        return list(log_probs.split(split)), (list(entropy.split(split)) if with_entropy else None)
 
     def _empty_forward(self) -> torch.Tensor:
         """A rank with an empty micro-batch still runs a forward (and backward) of one token with zero
