@@ -74,6 +74,7 @@ class _GroupRunner:
         self.rollout_id, self.evaluation, self.semaphore = rollout_id, evaluation, semaphore
         self.params = sampling_params(config, evaluation)
         self.reward_failures = 0
+        self.reward_time = 0.0  # seconds spent in reward hooks, summed over samples (they overlap)
 
     async def run(self, group: list[Sample]) -> list[Sample]:
         results = await asyncio.gather(*(self._generate(s) for s in group))
@@ -103,11 +104,14 @@ class _GroupRunner:
             return out
 
     async def _reward(self, sample: Sample) -> None:
+        start = time.perf_counter()
         try:
             reward = await self.hooks.reward(config=self.config, sample=sample)
         except HookCallError as exc:
             self._fail(sample, str(exc))
             return
+        finally:
+            self.reward_time += time.perf_counter() - start
         self._set_reward(sample, reward)
 
     def _set_reward(self, sample: Sample, reward) -> None:
@@ -177,7 +181,8 @@ async def slime_rollout(config, rollout_id: int, data_source, client, hooks, eva
                 _recycle(config, data_source, group, rollout_id)
                 aborted += 1
     metrics = {f"rollout/dynamic_filter/drop_{reason}": float(n) for reason, n in drops.items()}
-    metrics.update({"rollout/aborted_groups": float(aborted), "rollout/reward_failures": float(runner.reward_failures)})
+    metrics.update({"rollout/aborted_groups": float(aborted), "rollout/reward_failures": float(runner.reward_failures),
+                    "perf/reward_time": runner.reward_time})
     accepted.sort(key=lambda g: g[0].index if g[0].index is not None else 0)
     return RolloutOutput(accepted, metrics)
 
