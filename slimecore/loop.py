@@ -7,6 +7,7 @@ timeout whose error says what was being waited for.
 from __future__ import annotations
 
 import logging
+import shutil
 import time
 from pathlib import Path
 from typing import Callable
@@ -56,7 +57,9 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
             weights = train.weights_ref(str(Path(config.log_dir) / "weights" / f"v{version}"))
         else:
             weights = [train.weights_ref()]  # wrapped: the manager passes the ref on instead of fetching it
-        return ray_get(rollout.update_weights.remote(weights, version), f"engines to load weights v{version}", wait)
+        seconds = ray_get(rollout.update_weights.remote(weights, version), f"engines to load weights v{version}", wait)
+        shutil.rmtree(Path(config.log_dir) / "weights" / f"v{version - 1}", ignore_errors=True)  # keep the newest
+        return seconds
 
     def evaluate(rollout_id: int) -> dict:
         if not config.eval_prompt_data or not engines_live:

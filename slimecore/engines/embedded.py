@@ -245,26 +245,38 @@ class EmbeddedServer:
                              past_key_values=out.past_key_values, use_cache=True)
 
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
-        """Pick one token per row and record its log-prob (full-vocabulary log softmax of logits / T)."""
+        """Pick one token per row and record its log-prob (full-vocabulary log softmax of logits / T).
+
+        The softmax and the draw run batched over the rows; only rows with top-k/top-p/min-p filters or a
+        min_new_tokens ban take the per-row path."""
         logits = logits.float()  # (B, V)
-        chosen = []
-        for row, req in zip(logits, reqs):
-            if req.done.is_set():
-                chosen.append(self.pad_id)
-                continue
-            p = req.params
-            if len(req.output_ids) < p["min_new_tokens"]:
-                row = row.clone()
-                row[list(self._stop_ids(req))] = float("-inf")
-            greedy = p["temperature"] < 1e-6
-            logp = torch.log_softmax(row / (1.0 if greedy else p["temperature"]), dim=-1)
-            if greedy:
-                token = int(torch.argmax(row))
-            else:
-                token = int(torch.multinomial(self._filtered_probs(logp, p), 1, generator=self.generator))
-            req.logprobs.append(float(logp[token]))
-            chosen.append(token)
+        live = [i for i, r in enumerate(reqs) if not r.done.is_set()]
+        chosen = [self.pad_id] * len(reqs)
+        if not live:
+            return chosen
+        for i in live:  # before min_new_tokens, stop tokens may not be drawn (this changes the distribution)
+            if len(reqs[i].output_ids) < reqs[i].params["min_new_tokens"]:
+                logits[i, list(self._stop_ids(reqs[i]))] = float("-inf")
+        temps = torch.tensor([max(reqs[i].params["temperature"], 0.0) for i in live])
+        greedy = temps < 1e-6
+        logp = torch.log_softmax(logits[live] / torch.where(greedy, 1.0, temps).unsqueeze(1), dim=-1)  # (L, V)
+        plain = [k for k, i in enumerate(live) if not greedy[k] and not self._needs_filter(reqs[i].params)]
+        tokens = logp.argmax(dim=-1)  # greedy rows keep this
+        if plain:
+            tokens[plain] = torch.multinomial(logp[plain].exp(), 1, generator=self.generator).squeeze(1)
+        for k, i in enumerate(live):
+            if not greedy[k] and k not in plain:
+                tokens[k] = int(torch.multinomial(self._filtered_probs(logp[k], reqs[i].params), 1,
+                                                  generator=self.generator))
+        picked = logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        for k, i in enumerate(live):
+            reqs[i].logprobs.append(float(picked[k]))
+            chosen[i] = int(tokens[k])
         return chosen
+
+    @staticmethod
+    def _needs_filter(p: dict) -> bool:
+        return p["top_k"] > 0 or p["top_p"] < 1 or p["min_p"] > 0
 
     @staticmethod
     def _filtered_probs(logp: torch.Tensor, p: dict) -> torch.Tensor:
