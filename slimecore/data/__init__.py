@@ -1,1 +1,1 @@
-"""slimecore.data."""
+"""Prompts: files (``dataset``), built-in generated tasks (``tasks``) and the checkpointed data source (``source``)."""

