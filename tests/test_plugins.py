@@ -180,3 +180,27 @@ def test_hook_tracing(monkeypatch, capsys):
     hooks = load_plugins([])
     hooks.post_process_rewards(config=Config.make(), samples=[Sample(reward=1.0)])
     assert "[slimecore hook] slime_post_process_rewards -> slimecore.defaults.rollout" in capsys.readouterr().err
+
+
+class LlamaBridge:
+    @hookimpl
+    def slime_model_bridge(self, config, hf_config):
+        return "llama-bridge" if hf_config.architectures == ["LlamaForCausalLM"] else None
+
+
+class QwenBridge:
+    @hookimpl
+    def slime_model_bridge(self, config, hf_config):
+        return "qwen-bridge" if hf_config.architectures == ["Qwen2ForCausalLM"] else None
+
+
+def test_first_answer_hooks_let_several_plugins_coexist():
+    """slime_model_bridge: each bridge plugin answers for the architectures it knows."""
+    import types
+
+    hooks = load_plugins([], extra=[LlamaBridge(), QwenBridge()])
+    hooks.check(skip_required=["slime_compute_advantages", "slime_loss"])  # no conflict: first answer wins
+    arch = lambda name: types.SimpleNamespace(architectures=[name])  # noqa: E731
+    assert hooks.model_bridge(config=Config.make(), hf_config=arch("Qwen2ForCausalLM")) == "qwen-bridge"
+    assert hooks.model_bridge(config=Config.make(), hf_config=arch("LlamaForCausalLM")) == "llama-bridge"
+    assert hooks.model_bridge(config=Config.make(), hf_config=arch("GPT2LMHeadModel")) is None
