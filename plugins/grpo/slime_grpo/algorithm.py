@@ -54,8 +54,15 @@ def clipped_surrogate(log_probs: torch.Tensor, old_log_probs: torch.Tensor, adva
     return loss, clipfrac, ppo_kl
 
 
-def policy_loss(opts, batch: dict, outputs: dict, reducer):
-    """Loss and metrics of one micro-batch (see the module docstring)."""
+def sequence_level(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """GSPO: replace per-token log-probs so that ``old - new`` is the sample's masked mean log-ratio
+    ``s = sum((old - new) m) / max(sum m, 1)`` on every token; gradients flow through ``s``. (R,) -> (R,)"""
+    s = ((old_log_probs - log_probs) * mask).sum() / mask.sum().clamp(min=1)
+    return old_log_probs - s.expand_as(log_probs)
+
+
+def policy_loss(opts, batch: dict, outputs: dict, reducer, sequence_ratio: bool = False):
+    """Loss and metrics of one micro-batch (see the module docstring); ``sequence_ratio`` gives GSPO."""
     log_probs = outputs["log_probs"]
     if opts.use_rollout_logprobs:
         old = [lp.to(log_probs[0].device) for lp in batch["rollout_log_probs"]]
@@ -64,8 +71,11 @@ def policy_loss(opts, batch: dict, outputs: dict, reducer):
     else:
         old = [lp.detach() for lp in log_probs]
     eps_high = opts.eps_clip_high if opts.eps_clip_high is not None else opts.eps_clip
+    ratio_inputs = log_probs
+    if sequence_ratio:
+        ratio_inputs = [sequence_level(lp, o, m.to(lp.device)) for lp, o, m in zip(log_probs, old, batch["loss_masks"])]
     per_sample = [clipped_surrogate(lp, o, a.to(lp.device), opts.eps_clip, eps_high, opts.eps_clip_c)
-                  for lp, o, a in zip(log_probs, old, batch["advantages"])]
+                  for lp, o, a in zip(ratio_inputs, old, batch["advantages"])]
     pg_loss = reducer([p[0] for p in per_sample])
     metrics = {"pg_loss": pg_loss, "pg_clipfrac": reducer([p[1] for p in per_sample]),
                "ppo_kl": reducer([p[2] for p in per_sample])}

@@ -33,7 +33,11 @@ def slime_options():
 
 @hookimpl
 def slime_validate_config(config):
-    o = config.plugin(NAME)
+    validate(config.plugin(NAME))
+
+
+def validate(o) -> None:
+    """Checks shared by every plugin built on these options (grpo, gspo)."""
     if o.kl_coef and o.kl_loss_coef:
         raise ConfigError("--kl-coef and --kl-loss-coef are mutually exclusive: KL goes either into the reward or "
                           "into the loss; set one of them to 0")
@@ -48,7 +52,10 @@ def slime_validate_config(config):
 
 @hookimpl
 def slime_post_process_rewards(config, samples):
-    o = config.plugin(NAME)
+    return post_process_rewards(config, config.plugin(NAME), samples)
+
+
+def post_process_rewards(config, o, samples):
     raw = [s.get_reward_value(config.reward_key) for s in samples]
     if o.disable_rewards_normalization:
         return raw, list(raw)
@@ -60,9 +67,12 @@ def slime_post_process_rewards(config, samples):
 
 @hookimpl
 def slime_train_inputs(config, role):
+    return train_inputs(config, config.plugin(NAME))
+
+
+def train_inputs(config, o):
     """The old policy is recomputed only when a rollout feeds several optimizer steps; with one step the
     model *is* the old policy and the loss uses its detached log-probs (slime's reuse path)."""
-    o = config.plugin(NAME)
     samples = config.rollout_batch_size * config.n_samples_per_prompt
     needs = []  # the loss gets the current policy's entropy in ``outputs``; no separate pass
     if config.global_batch_size < samples and not o.use_rollout_logprobs:
@@ -74,8 +84,12 @@ def slime_train_inputs(config, role):
 
 @hookimpl
 def slime_compute_advantages(config, role, batch):
+    return compute_advantages(config.plugin(NAME), batch)
+
+
+def compute_advantages(o, batch):
     advantages = [torch.full((n,), float(r)) for r, n in zip(batch["rewards"], batch["response_lengths"])]
-    if config.plugin(NAME).normalize_advantages and advantages:
+    if o.normalize_advantages and advantages:
         masks = torch.cat(batch["loss_masks"])
         flat = masked_whiten(torch.cat(advantages), masks, distributed=True)
         advantages = list(torch.split(flat, list(batch["response_lengths"])))

@@ -1,0 +1,1 @@
+"""PPO-family math for slime-core (GAE, REINFORCE++ returns, clipped value loss)."""

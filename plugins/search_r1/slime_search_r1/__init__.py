@@ -1,0 +1,1 @@
+"""Search-R1 multi-turn environment for slime-core (options so far)."""
