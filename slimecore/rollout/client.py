@@ -46,8 +46,11 @@ class RolloutClient:
     attempt for connection errors and 5xx. ``tokenizer`` (optional) is the rollout's tokenizer, kept
     here for hooks that want to encode or decode next to their calls."""
 
-    def __init__(self, router_url: str, tokenizer: Any = None, timeout: float = 600, max_retries: int = 5):
+    def __init__(self, router_url: str, tokenizer: Any = None, timeout: float = 600, max_retries: int = 5,
+                 api_key: str | None = None):
         self.url = router_url.rstrip("/")
+        # the run's key (multi-node runs): sent as a bearer token to the router and to every engine
+        self.api_key = api_key
         self.policy_version = 0  # the weight version the engines serve; the manager sets it after each update
         self.tokenizer = tokenizer
         self.timeout, self.max_retries = timeout, max_retries
@@ -60,8 +63,9 @@ class RolloutClient:
         session = self._sessions.get(loop)
         if session is None or session.closed:
             # limit=0: the rollout caps concurrency itself (a semaphore); the pool must not add a second cap
+            headers = {"Authorization": f"Bearer {self.api_key}"} if self.api_key else None
             session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.timeout),
-                                            connector=aiohttp.TCPConnector(limit=0))
+                                            connector=aiohttp.TCPConnector(limit=0), headers=headers)
             self._sessions[loop] = session
         return session
 
@@ -148,13 +152,27 @@ class RolloutClient:
 
     async def update_weights_from_disk(self, path: str, weight_version: str) -> None:
         """Every engine reloads its weights from the HF safetensors directory ``path``."""
-        urls = await self.worker_urls()
-        results = await asyncio.gather(*(self._request("POST", u + "/update_weights_from_disk",
-                                                       {"model_path": path, "weight_version": weight_version},
-                                                       retries=0) for u in urls))
-        failed = [(u, r) for u, r in zip(urls, results) if not r.get("success")]
+        from slimecore.engines.weight_sync import disk_body
+
+        results = await self.on_every_engine("/update_weights_from_disk", disk_body(path, weight_version))
+        failed = [(u, r) for u, r in results.items() if not r.get("success")]
         if failed:
             raise EngineError(f"update_weights_from_disk failed on {failed}")
+
+    async def on_every_engine(self, path: str, body: Any = None) -> dict[str, Any]:
+        """``POST path`` to every engine at once (the router does not forward control calls); URL -> answer."""
+        urls = await self.worker_urls()
+        return dict(zip(urls, await asyncio.gather(*(self._request("POST", u + path, body, retries=0)
+                                                    for u in urls))))
+
+    async def pause_for_update(self) -> None:
+        """Before a weight update, as slime does: ``/pause_generation`` (in-flight requests end as aborted,
+        new ones wait), then ``/flush_cache`` once every engine is idle."""
+        await self.on_every_engine("/pause_generation", {})
+        await self.flush_cache()
+
+    async def continue_generation(self) -> None:
+        await self.on_every_engine("/continue_generation", {})
 
     async def close(self) -> None:
         """Close this event loop's session (the client stays usable: a later call opens a new one)."""

@@ -12,11 +12,10 @@ from pathlib import Path
 
 import ray
 from ray.util.placement_group import PlacementGroup
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slimecore.config import Config, torch_threads
 from slimecore.plugins import load_for_config
-from slimecore.raytools import ray_get
+from slimecore.raytools import TRAIN_GPU_SHARE, bundle_options, local_gpu, ray_get
 
 
 class TrainActor:
@@ -27,6 +26,9 @@ class TrainActor:
         self.config = config = Config.from_dict(config_dict)
         torch.set_num_threads(torch_threads(config))
         self.rank, self.world_size, self.role = rank, world_size, role
+        self.gpu = local_gpu()  # the GPU of this rank's bundle: never cuda:0 by default
+        if self.gpu is not None and torch.cuda.is_available():
+            torch.cuda.set_device(self.gpu)
         if world_size > 1:
             import datetime
 
@@ -78,6 +80,26 @@ class TrainActor:
         weights = self.backend.named_weights()
         return weights if self.rank == 0 else None
 
+    def push_weights(self, endpoints: list, version: int, transport: str) -> dict[str, float] | None:
+        """Send the weights to the engines (``slimecore.trainers.weight_sender``); rank 0 sends and returns
+        its figures, the other ranks only take part in gathering sharded weights."""
+        buckets = self.backend.hf_weight_buckets(self.config.update_weight_buffer_size)
+        if self.rank != 0:
+            for _ in buckets:
+                pass
+            return None
+        if getattr(self, "_sender", None) is None:
+            from slimecore.trainers.weight_sender import WeightSender
+
+            self._sender = WeightSender(self.config.update_weight_buffer_size, timeout=self.config.ray_timeout)
+        return self._sender.push(buckets, endpoints, str(version), transport)
+
+    def offload(self) -> None:
+        self.backend.offload()
+
+    def onload(self) -> None:
+        self.backend.onload()
+
     def save_weights(self, directory: str) -> str | None:
         """Write HF safetensors for the disk transport (rank 0 writes; every rank takes part)."""
         from safetensors.torch import save_file
@@ -99,6 +121,8 @@ class TrainActor:
         self.backend.load(directory)
 
     def shutdown(self) -> None:
+        if getattr(self, "_sender", None) is not None:
+            self._sender.close()
         self.hooks.shutdown(config=self.config, process="train")
 
 
@@ -118,9 +142,7 @@ class TrainGroup:
         actor_cls = ray.remote(TrainActor)
         self.actors = []
         for rank, bundle in enumerate(bundles):
-            options = {"num_cpus": config.num_cpus_per_actor}
-            if pg is not None:
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+            options = bundle_options(pg, bundle, config.num_cpus_per_actor, TRAIN_GPU_SHARE)
             self.actors.append(actor_cls.options(**options).remote(config.to_dict(), rank, world, "127.0.0.1", port,
                                                                       role))
         # each rank's data-parallel rank: the ranks of one megatron TP/PP group train on the same data
@@ -165,6 +187,19 @@ class TrainGroup:
         if directory is not None:
             return self._all("save_weights", directory, what=f"rank 0 to write weights to {directory}")[0]
         return [a.named_weights.remote() for a in self.actors][0]  # the other ranks return None
+
+    def push_weights(self, endpoints: list, version: int, transport: str) -> dict[str, float]:
+        """Rank 0 sends the weights straight to the engines (every rank takes part); its figures."""
+        results = self._all("push_weights", endpoints, version, transport,
+                            what=f"{self.role} rank 0 to push weights v{version} to {len(endpoints)} engine(s)")
+        return results[0]
+
+    def offload(self) -> None:
+        """--offload-train: every rank moves its model and optimizer state to CPU."""
+        self._all("offload", what=f"{self.role} ranks to offload to CPU")
+
+    def onload(self) -> None:
+        self._all("onload", what=f"{self.role} ranks to move back onto their devices")
 
     def save(self, directory: str) -> None:
         self._all("save", directory, what=f"train ranks to save a checkpoint in {directory}")

@@ -38,6 +38,7 @@ import math
 import random
 import re
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -514,6 +515,38 @@ class FSDPTrainer:
                 value = (value.float() + (b.float() @ a.float()) * scaling[module]).to(value.dtype)  # (out, in)
             merged[key.replace(".base_layer.", ".").removeprefix("base_model.model.")] = value
         return merged
+
+    # -- colocate offload (--offload-train) -------------------------------------------------------------
+    def offload(self) -> None:
+        """Parameters, gradients and optimizer state to CPU, the device's cache emptied (a no-op on CPU)."""
+        self._move_to(torch.device("cpu"))
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def onload(self) -> None:
+        """Back onto the training device."""
+        self._move_to(self.device)
+
+    def _move_to(self, device: torch.device) -> None:
+        self.model.to(device)  # moves each parameter's .grad with it
+        for state in self.optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(device)
+
+    def hf_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """Rank 0's HF-named weights in buckets of at most ``bucket_bytes``, for the engines. Unsharded and
+        without LoRA they are the live tensors on the training device (no copy: the sender copies each
+        bucket once into its transfer buffer); otherwise ``named_weights()``, which is collective when
+        sharded, so every rank must iterate this (ranks other than 0 get no buckets)."""
+        from slimecore.engines.weight_sync import bucketize, unique_tensors
+
+        if self.sharded or self.config.use_lora:
+            named = self.named_weights().items()
+        else:
+            named = ((k, v.detach()) for k, v in self.model.state_dict().items())
+        if self.rank == 0:
+            yield from bucketize(unique_tensors(named), bucket_bytes)
 
     def save(self, directory: str) -> None:
         """Write ``directory``: the model via ``save_pretrained`` (HF safetensors; the adapter only with LoRA),

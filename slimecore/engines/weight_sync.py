@@ -1,0 +1,216 @@
+"""SGLang's weight-sync wire formats, shared by the sender (train rank 0) and the embedded engine.
+
+Three ways new weights reach an engine, each an SGLang endpoint (bodies: :func:`tensor_body`,
+:func:`init_group_body`, :func:`distributed_body`, :func:`disk_body`; the tests check every key against
+SGLang's own request classes):
+
+- ``/update_weights_from_tensor``: a *flattened bucket* (one uint8 tensor holding the bucket's tensors
+  back to back, plus per-tensor metadata) pickled with torch's multiprocessing reductions and base64
+  encoded, as SGLang's ``MultiprocessingSerializer`` does. A CUDA tensor travels as a CUDA IPC handle; a
+  CPU tensor as a shared-memory file name (torch's ``file_system`` sharing strategy: the receiver is
+  not a child of the sender, so the default fd-passing strategy cannot work). Same host only.
+- ``/init_weights_update_group`` once, then per bucket ``/update_weights_from_distributed`` (names,
+  dtypes, shapes) while the sender broadcasts the flattened bucket from rank 0 of that group (NCCL on
+  GPU, gloo on CPU). Works across hosts.
+- ``/update_weights_from_disk``: an HF safetensors directory.
+
+The metadata entries are ``types.SimpleNamespace(name, shape, dtype, start_idx, end_idx, numel)``:
+SGLang's loader reads exactly those attributes, and the type is on both sides' unpickling allow-lists.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime
+import io
+import pickle
+import types
+from collections.abc import Iterable, Iterator
+
+import torch
+
+DEFAULT_BUCKET_BYTES = 512 * 1024**2  # slime's --update-weight-buffer-size default
+DEFAULT_GROUP = "slimecore-weights"
+
+NamedTensors = list[tuple[str, torch.Tensor]]
+
+
+# -- buckets -------------------------------------------------------------------------------------
+def bucketize(named: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int) -> Iterator[NamedTensors]:
+    """Group tensors into buckets of at most ``bucket_bytes`` (a larger tensor is a bucket of its own)."""
+    bucket, size = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        if bucket and size + nbytes > bucket_bytes:
+            yield bucket
+            bucket, size = [], 0
+        bucket.append((name, tensor))
+        size += nbytes
+    if bucket:
+        yield bucket
+
+
+def unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Each tensor once: a name whose tensor is the same memory as an earlier one (tied embeddings:
+    ``lm_head.weight`` is ``embed_tokens.weight``) is left out, as SGLang's loaders skip it anyway."""
+    seen = set()
+    for name, tensor in named:
+        key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride())
+        if key not in seen:
+            seen.add(key)
+            yield name, tensor
+
+
+def flatten(named: NamedTensors, out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[types.SimpleNamespace]]:
+    """One uint8 tensor (on the tensors' device) holding every tensor's bytes in order, and its metadata.
+    ``out``: a uint8 buffer to fill (its leading bytes; e.g. a reused shared-memory buffer)."""
+    device = named[0][1].device
+    metadata, start = [], 0
+    for name, tensor in named:
+        nbytes = tensor.numel() * tensor.element_size()
+        metadata.append(types.SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype, start_idx=start,
+                                              end_idx=start + nbytes, numel=nbytes))
+        start += nbytes
+    flat = torch.empty(start, dtype=torch.uint8, device=device) if out is None else out[:start]
+    for meta, (_, tensor) in zip(metadata, named):
+        flat[meta.start_idx:meta.end_idx].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+    return flat, metadata
+
+
+def unflatten(flat: torch.Tensor, metadata: Iterable) -> NamedTensors:
+    """Views of ``flat`` per metadata entry (SGLang's ``FlattenedTensorBucket.reconstruct_tensors``)."""
+    return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in metadata]
+
+
+def layout(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[types.SimpleNamespace]:
+    """Metadata of a flattened bucket described by ``/update_weights_from_distributed``'s fields."""
+    metadata, start = [], 0
+    for name, dtype, shape in zip(names, dtypes, shapes):
+        torch_dtype = dtype_from_name(dtype)
+        nbytes = torch.Size(shape).numel() * torch.empty((), dtype=torch_dtype).element_size()
+        metadata.append(types.SimpleNamespace(name=name, shape=torch.Size(shape), dtype=torch_dtype, start_idx=start,
+                                              end_idx=start + nbytes, numel=nbytes))
+        start += nbytes
+    return metadata
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    dtype = getattr(torch, str(name).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"unknown dtype {name!r}")
+    return dtype
+
+
+def digest(named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, str]:
+    """SHA-256 of every tensor's bytes: equal digests mean bit-for-bit equal weights (and dtypes, shapes)."""
+    import hashlib
+
+    out = {}
+    for name, tensor in named:
+        data = tensor.detach().to("cpu").contiguous()
+        out[name] = hashlib.sha256(f"{data.dtype}{tuple(data.shape)}".encode()
+                                   + data.view(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return out
+
+
+# -- MultiprocessingSerializer's format ------------------------------------------------------------
+@contextlib.contextmanager
+def file_system_sharing():
+    import torch.multiprocessing as mp
+
+    previous = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        yield
+    finally:
+        mp.set_sharing_strategy(previous)
+
+
+def serialize(obj) -> str:
+    """``MultiprocessingSerializer.serialize(obj, output_str=True)``: a base64 ``ForkingPickler`` pickle."""
+    from multiprocessing.reduction import ForkingPickler
+
+    buffer = io.BytesIO()
+    with file_system_sharing():
+        ForkingPickler(buffer).dump(obj)
+    return base64.b64encode(buffer.getvalue()).decode()
+
+
+class _AllowListUnpickler(pickle.Unpickler):
+    """Only the globals a tensor payload needs (SGLang's receiver has the same kind of allow-list)."""
+
+    ALLOWED_PREFIXES = ("torch.", "collections.OrderedDict", "copyreg._reconstructor", "types.SimpleNamespace",
+                        "builtins.getattr", "builtins.tuple", "builtins.list", "builtins.dict", "builtins.int",
+                        "builtins.object")
+
+    def find_class(self, module: str, name: str):
+        full = f"{module}.{name}"
+        if not full.startswith(self.ALLOWED_PREFIXES):
+            raise pickle.UnpicklingError(f"weight payload refers to {full}, which is not allowed")
+        return super().find_class(module, name)
+
+
+def deserialize(payload: str):
+    """The inverse of :func:`serialize`; rejects pickles that name anything but tensor machinery."""
+    data = base64.b64decode(payload, validate=True)
+    return _AllowListUnpickler(io.BytesIO(data)).load()
+
+
+# -- a weight-update process group -----------------------------------------------------------------
+def init_weight_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
+                      group_name: str, timeout: float = 600):
+    """A process group of its own (not the default one: the trainer already has a training group), as
+    SGLang's ``init_custom_process_group``: rank 0 is the sender and hosts the rendezvous store."""
+    import torch.distributed as dist
+
+    delta = datetime.timedelta(seconds=timeout)
+    store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=delta)
+    store = dist.PrefixStore(group_name, store)
+    if backend == "gloo":
+        return dist.ProcessGroupGloo(store, rank, world_size, delta)
+    if backend == "nccl":
+        options = dist.ProcessGroupNCCL.Options()
+        options._timeout = delta
+        return dist.ProcessGroupNCCL(store, rank, world_size, options)
+    raise ValueError(f"weight-update group backend {backend!r}: use gloo (CPU) or nccl (GPU)")
+
+
+def broadcast(group, tensor: torch.Tensor) -> None:
+    """Broadcast ``tensor`` from rank 0 of ``group`` (in place on the other ranks)."""
+    import torch.distributed as dist
+
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([tensor], options).wait()
+
+
+# -- request bodies (SGLang's field names) -----------------------------------------------------------
+def tensor_body(payload: str, tp_size: int, weight_version: str) -> dict:
+    """``UpdateWeightsFromTensorReqInput``: the same payload for every TP rank of the engine (each rank
+    loads the full tensors and keeps its shard), flattened-bucket format, cache flushed by the caller."""
+    return {"serialized_named_tensors": [payload] * tp_size, "load_format": "flattened_bucket",
+            "flush_cache": False, "weight_version": weight_version}
+
+
+def init_group_body(master_address: str, master_port: int, rank_offset: int, world_size: int, group_name: str,
+                    backend: str) -> dict:
+    """``InitWeightsUpdateGroupReqInput``."""
+    return {"master_address": master_address, "master_port": master_port, "rank_offset": rank_offset,
+            "world_size": world_size, "group_name": group_name, "backend": backend}
+
+
+def distributed_body(named: NamedTensors, group_name: str, weight_version: str) -> dict:
+    """``UpdateWeightsFromDistributedReqInput`` for one flattened bucket broadcast right after it."""
+    return {"names": [n for n, _ in named], "dtypes": [dtype_name(t.dtype) for _, t in named],
+            "shapes": [list(t.shape) for _, t in named], "group_name": group_name, "flush_cache": False,
+            "weight_version": weight_version, "load_format": "flattened_bucket"}
+
+
+def disk_body(path: str, weight_version: str) -> dict:
+    """``UpdateWeightFromDiskReqInput``."""
+    return {"model_path": path, "weight_version": weight_version}

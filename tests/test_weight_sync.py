@@ -1,0 +1,177 @@
+"""SGLang's weight-sync protocols end to end: train-side sender -> engine in another process (a Ray actor).
+
+After each protocol the engine's weights equal the sender's bit for bit, and greedy tokens and log-probs
+the engine generates match an HF forward of the sender's weights. Request bodies are checked against the
+request classes of the installed ``sglang`` wheel (scripts/setup.sh installs it).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from fixtures_engine import http_json
+
+from slimecore.engines import weight_sync
+from slimecore.engines.sglang_schema import class_fields, sglang_root
+from slimecore.trainers.weight_sender import Endpoint, WeightSender, WeightSyncError
+
+PROMPT = [5, 17, 33, 9]
+
+
+@pytest.fixture(scope="module")
+def engine_actor(ray_session, tiny_checkpoint):
+    from slimecore.engines.embedded import launch_embedded_engines
+
+    (actor, url), = launch_embedded_engines(1, str(tiny_checkpoint), num_cpus=0.5, timeout=120)
+    yield actor, url
+    ray_session.get(actor.shutdown.remote(), timeout=30)
+    ray_session.kill(actor)
+
+
+def trainer_model(checkpoint, seed: int):
+    """The 'trainer': the checkpoint with every weight moved, so a sync that did nothing is seen."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn(param.shape, generator=generator) * 0.05)
+    return model
+
+
+def check_engine_serves(ray_session, actor, url, model, version: str) -> None:
+    named = list(model.state_dict().items())
+    assert ray_session.get(actor.weights_digest.remote(), timeout=60) == weight_sync.digest(named)
+    status, out = http_json("POST", url + "/generate", {"input_ids": PROMPT, "return_logprob": True,
+                                                        "sampling_params": {"max_new_tokens": 6, "temperature": 0,
+                                                                            "ignore_eos": True}})
+    assert status == 200 and out["meta_info"]["weight_version"] == version
+    with torch.no_grad():
+        expected = model.generate(torch.tensor([PROMPT]), max_new_tokens=6, do_sample=False,
+                                  eos_token_id=None)[0, len(PROMPT):].tolist()
+        logits = model(torch.tensor([PROMPT + expected])).logits[0, len(PROMPT) - 1:-1]
+        logprobs = torch.log_softmax(logits, -1).gather(1, torch.tensor(expected)[:, None]).squeeze(1)
+    assert out["output_ids"] == expected
+    got = torch.tensor([e[0] for e in out["meta_info"]["output_token_logprobs"]])
+    assert torch.allclose(got, logprobs, atol=1e-4)
+
+
+@pytest.mark.parametrize("transport", ["tensor", "distributed"])
+def test_push_reaches_engine_bit_for_bit(ray_session, engine_actor, tiny_checkpoint, transport):
+    actor, url = engine_actor
+    model = trainer_model(tiny_checkpoint, seed=len(transport))
+    sender = WeightSender(bucket_bytes=64 * 1024, timeout=120)  # small buckets: several requests per sync
+    try:
+        buckets = weight_sync.bucketize(model.state_dict().items(), sender.bucket_bytes)
+        figures = sender.push(buckets, [Endpoint(url)], version=f"{transport}-1", transport=transport)
+        assert figures["buckets"] > 1
+        check_engine_serves(ray_session, actor, url, model, f"{transport}-1")
+        if transport == "distributed":  # the group is made once and reused
+            group = sender._group
+            sender.push(weight_sync.bucketize(model.state_dict().items(), 1 << 30), [Endpoint(url)], "again",
+                        transport)
+            assert sender._group is group
+    finally:
+        sender.close()
+
+
+def test_disk_update_bit_for_bit(ray_session, engine_actor, tiny_checkpoint, tmp_path):
+    actor, url = engine_actor
+    model = trainer_model(tiny_checkpoint, seed=3)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    status, out = http_json("POST", url + "/update_weights_from_disk", weight_sync.disk_body(str(tmp_path), "disk-1"))
+    assert status == 200 and out["success"], out
+    check_engine_serves(ray_session, actor, url, model, "disk-1")
+
+
+def test_engine_rejects_bad_weight_requests(engine_actor):
+    _, url = engine_actor
+    status, out = http_json("POST", url + "/update_weights_from_distributed",
+                            {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
+    assert status == 400 and "init_weights_update_group" in out["message"]
+    status, out = http_json("POST", url + "/update_weights_from_tensor", {"serialized_named_tensors": ["bm90IGEgcGlja2xl"]})
+    assert status == 400 and out["success"] is False
+    status, out = http_json("POST", url + "/update_weights_from_tensor", {"load_format": "flattened_bucket"})
+    assert status == 400 and "serialized_named_tensors" in out["message"]
+    status, out = http_json("POST", url + "/init_weights_update_group",
+                            weight_sync.init_group_body("127.0.0.1", 1, 1, 2, "g", "nccl"))
+    assert status == 400 and "gloo" in out["message"]
+
+
+def test_payload_unpickler_refuses_other_globals():
+    import base64
+    import os
+    import pickle
+
+    evil = base64.b64encode(pickle.dumps(os.system)).decode()
+    with pytest.raises(pickle.UnpicklingError, match="not allowed"):
+        weight_sync.deserialize(evil)
+
+
+def test_sender_names_the_engine_that_failed(tiny_checkpoint):
+    sender = WeightSender(timeout=5)
+    named = [("model.norm.weight", torch.ones(64))]
+    with pytest.raises(WeightSyncError, match="127.0.0.1:9/update_weights_from_tensor"):
+        sender.push([named], [Endpoint("http://127.0.0.1:9")], "1", "tensor")
+
+
+# -- SGLang's own request classes ----------------------------------------------------------------------
+def check_sglang_body(class_name: str, body: dict) -> None:
+    """Every key is a field of SGLang's request class and every required field is there."""
+    fields = class_fields("srt.managers.io_struct", class_name)
+    unknown = sorted(set(body) - set(fields))
+    missing = sorted(k for k, required in fields.items() if required and k not in body)
+    assert not unknown and not missing, f"{class_name}: fields SGLang lacks {unknown}, required missing {missing}"
+
+
+needs_sglang = pytest.mark.skipif(sglang_root() is None, reason="the sglang wheel is not installed (scripts/setup.sh)")
+
+
+@needs_sglang
+def test_request_bodies_are_sglangs():
+
+    named = [("w", torch.zeros(2, 3, dtype=torch.bfloat16))]
+    check_sglang_body("UpdateWeightsFromTensorReqInput", weight_sync.tensor_body("payload", 2, "3"))
+    check_sglang_body("InitWeightsUpdateGroupReqInput",
+                      weight_sync.init_group_body("127.0.0.1", 1234, 1, 3, "g", "gloo"))
+    check_sglang_body("UpdateWeightsFromDistributedReqInput", weight_sync.distributed_body(named, "g", "3"))
+    check_sglang_body("DestroyWeightsUpdateGroupReqInput", {"group_name": "g"})
+    check_sglang_body("UpdateWeightFromDiskReqInput", weight_sync.disk_body("/tmp/x", "3"))
+    check_sglang_body("PauseGenerationReqInput", {})
+    check_sglang_body("ContinueGenerationReqInput", {})
+    check_sglang_body("ReleaseMemoryOccupationReqInput", {})
+    check_sglang_body("ResumeMemoryOccupationReqInput", {"tags": ["weights"]})
+    assert weight_sync.distributed_body(named, "g", "3")["dtypes"] == ["bfloat16"]  # SGLang does getattr(torch, d)
+    with pytest.raises(AssertionError, match="bogus"):
+        check_sglang_body("UpdateWeightsFromTensorReqInput", {**weight_sync.tensor_body("p", 1, "3"), "bogus": 1})
+
+
+def test_release_frees_the_weights_and_a_push_brings_them_back(tiny_checkpoint):
+    """/release_memory_occupation really lets go of every weight (no tensor in the process holds their
+    storage any more); after /resume_memory_occupation the engine refuses to generate until a push has
+    written every weight, then serves exactly the pushed weights."""
+    import gc
+
+    from slimecore.testing.engines import embedded_engine
+
+    with embedded_engine(tiny_checkpoint) as server:
+        url = server.url
+        weight_gb = lambda: http_json("GET", url + "/server_info")[1]["internal_states"][0]["memory_usage"]["weight"]
+        assert weight_gb() > 0
+        storages = {p.untyped_storage().data_ptr() for p in server.model.parameters()}
+        assert http_json("POST", url + "/release_memory_occupation", {}) == (200, None)
+        gc.collect()
+        assert weight_gb() == 0 and all(p.is_meta for p in server.model.parameters())
+        alive = [t for t in gc.get_objects() if type(t) in (torch.Tensor, torch.nn.Parameter) and not t.is_meta
+                 and t.untyped_storage().data_ptr() in storages]
+        assert not alive  # returned to the allocator
+        assert http_json("POST", url + "/generate", {"input_ids": PROMPT})[0] == 400
+        assert http_json("POST", url + "/resume_memory_occupation", {"tags": ["weights"]}) == (200, None)
+        status, out = http_json("POST", url + "/generate", {"input_ids": PROMPT})
+        assert status == 400 and "push the weights first" in out["error"]["message"]
+        assert http_json("POST", url + "/resume_memory_occupation", {"tags": ["kv_cache", "cuda_graph"]})[0] == 200
+        model = trainer_model(tiny_checkpoint, seed=9)
+        WeightSender(timeout=60).push([list(model.state_dict().items())], [Endpoint(url)], "9", "tensor")
+        assert server.weights_digest() == weight_sync.digest(model.state_dict().items()) and weight_gb() > 0
+        assert http_json("POST", url + "/generate", {"input_ids": PROMPT})[0] == 200
