@@ -7,15 +7,13 @@ timeout whose error says what was being waited for.
 from __future__ import annotations
 
 import logging
-import shutil
 import time
-from pathlib import Path
 from typing import Callable
 
 import ray
 import ray.util
 
-from slimecore import checkpoint
+from slimecore import checkpoint, weight_updates
 from slimecore.config import Config, ConfigError
 from slimecore.plugins import Hooks
 from slimecore.raytools import create_placement, init_ray, ray_get
@@ -59,13 +57,7 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
         """Push the trainer's weights to every engine; the engines then serve ``version``."""
         if train is None or not engines_live:
             return 0.0
-        if config.update_weight_transport == "disk":
-            weights = train.weights_ref(str(Path(config.log_dir) / "weights" / f"v{version}"))
-        else:
-            weights = [train.weights_ref()]  # wrapped: the manager passes the ref on instead of fetching it
-        seconds = ray_get(rollout.update_weights.remote(weights, version), f"engines to load weights v{version}", wait)
-        shutil.rmtree(Path(config.log_dir) / "weights" / f"v{version - 1}", ignore_errors=True)  # keep the newest
-        return seconds
+        return weight_updates.sync_weights(config, train, rollout, version)
 
     def evaluate(rollout_id: int) -> dict:
         if not (config.eval_prompt_data or config.eval_config) or not engines_live:
@@ -88,6 +80,8 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
                 refs, metrics = ray_get(rollout.generate.remote(rollout_id, dp_size), f"rollout {rollout_id}", wait)
             metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
             if train is not None:
+                if engines_live:
+                    weight_updates.before_train(config, groups, rollout)
                 train_start, metrics["timeline/train_start"] = time.perf_counter(), time.time()
                 # a critic first scores the samples; the actor trains on advantages from those values and
                 # hands its returns to the critic, which trains last (Ray passes both rank to rank)
@@ -101,9 +95,11 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
                     metrics["perf/critic_train_time"] = time.perf_counter() - critic_start
                 metrics["timeline/train_end"] = time.time()
                 version += int(actor_updates)
-                if actor_updates and (not config.train_async or (rollout_id + 1) % config.update_weights_interval == 0):
-                    # async: the manager finishes the in-flight generation before it loads new weights
-                    metrics["perf/update_weights_time"] = sync_weights()
+                # async: the manager finishes the in-flight generation before it pauses the engines
+                push = actor_updates and (not config.train_async or (rollout_id + 1) % config.update_weights_interval == 0)
+                if engines_live:
+                    metrics["perf/update_weights_time"] = weight_updates.after_train(config, groups, rollout, version,
+                                                                                     push)
             last = rollout_id + 1 == num_rollout
             if config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)):
                 save_start = time.perf_counter()

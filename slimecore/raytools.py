@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import ray
+import ray.util
 from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group
 
@@ -39,10 +40,13 @@ def init_ray(config: Config) -> None:
 def create_placement(config: Config, roles: list[str] = ("actor",)):
     """One placement group for everything; returns (pg, {role: train bundle indices}, engine bundle indices).
 
-    Every training role (the actor, and e.g. a critic) has the actor's number of ranks. Disaggregated:
-    each role's ranks take their own bundles, engines the rest. Colocated: rank i of every role and
-    engine i share bundle i (each bundle holds all those actors' CPUs).
+    On a cluster with GPUs the bundles are slime's (``gpu_placement``). On CPU, every training role (the
+    actor, and e.g. a critic) has the actor's number of ranks. Disaggregated: each role's ranks take their
+    own bundles, engines the rest. Colocated: rank i of every role and engine i share bundle i (each
+    bundle holds all those actors' CPUs).
     """
+    if cluster_gpus() > 0:
+        return gpu_placement(config, roles)
     c = config
     n_train = 0 if c.debug_rollout_only else c.actor_num_nodes * c.actor_num_gpus_per_node
     no_engines = c.debug_train_only or c.load_debug_rollout_data
@@ -57,6 +61,86 @@ def create_placement(config: Config, roles: list[str] = ("actor",)):
         train = {role: list(range(k * n_train, (k + 1) * n_train)) for k, role in enumerate(roles)}
         engines = list(range(n_train * len(roles), len(bundles)))
     pg = placement_group(bundles, strategy="PACK")
+    _wait_placement(pg, bundles, c)
+    return pg, train, engines
+
+
+# -- GPUs ------------------------------------------------------------------------------------------
+# As slime: one bundle per GPU; a train rank takes 0.4 of its GPU (a critic rank another 0.4), an engine
+# 0.2 of its first GPU, so all three fit one bundle when colocated. Ray does not hide the other GPUs
+# (RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES): an engine spans ``--rollout-num-gpus-per-engine`` GPUs
+# from ``base_gpu_id``, and CUDA IPC handles name the same device in trainer and engine.
+TRAIN_GPU_SHARE, ENGINE_GPU_SHARE = 0.4, 0.2
+GPU_ENV = {"RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES": "1", "NCCL_CUMEM_ENABLE": "0"}
+
+
+def cluster_gpus() -> float:
+    return ray.cluster_resources().get("GPU", 0) if ray.is_initialized() else 0
+
+
+def gpu_placement(config: Config, roles: list[str] = ("actor",)):
+    """slime's layout: ``actor GPUs + rollout GPUs`` bundles (``max`` of the two with ``--colocate``) of one
+    GPU each, sorted by node address then GPU id so logical GPU k is the same physical GPU every run.
+    Every training role uses the actor's GPUs; engine i starts on logical GPU
+    ``offset + i * --rollout-num-gpus-per-engine`` (offset: the actor's GPUs, 0 when colocated)."""
+    c = config
+    n_train = 0 if c.debug_rollout_only else c.actor_num_nodes * c.actor_num_gpus_per_node
+    no_engines = c.debug_train_only or c.load_debug_rollout_data
+    n_rollout = 0 if no_engines else c.rollout_num_gpus
+    size, offset = (max(n_train, n_rollout), 0) if c.colocate else (n_train + n_rollout, n_train)
+    bundles = [{"GPU": 1, "CPU": c.num_cpus_per_actor * (len(roles) + 1)}] * size
+    pg = placement_group(bundles, strategy="PACK")
+    _wait_placement(pg, bundles, c)
+    order = _bundles_by_gpu(pg, size, c.ray_timeout)
+    train = {role: order[:n_train] for role in roles}
+    engines = [order[offset + i * c.rollout_num_gpus_per_engine]
+               for i in range(n_rollout // c.rollout_num_gpus_per_engine)]
+    return pg, train, engines
+
+
+def bundle_options(pg, bundle: int | None, num_cpus: float, num_gpus: float = 0.0) -> dict:
+    """Ray ``.options`` for an actor in bundle ``bundle`` of ``pg`` (None: anywhere), taking ``num_gpus``
+    of its GPU when the cluster has GPUs."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    options: dict = {"num_cpus": num_cpus}
+    if pg is not None and bundle is not None:
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle)
+    if num_gpus and cluster_gpus() > 0:
+        options["num_gpus"] = num_gpus
+        options["runtime_env"] = {"env_vars": dict(GPU_ENV)}
+    return options
+
+
+def local_gpu() -> int | None:
+    """The GPU Ray gave this actor (physical id; all GPUs stay visible), or None without one."""
+    ids = ray.get_gpu_ids() if ray.is_initialized() else []
+    return int(ids[0]) if ids else None
+
+
+class _BundleProbe:
+    def where(self) -> tuple[str, int]:
+        return ray.util.get_node_ip_address(), local_gpu()
+
+
+def _bundles_by_gpu(pg, size: int, timeout: float) -> list[int]:
+    """Bundle indices sorted by (node address, GPU id), found by a throw-away actor in each bundle."""
+    probe = ray.remote(_BundleProbe)
+    actors = [probe.options(**bundle_options(pg, i, 0, 0.01)).remote() for i in range(size)]
+    try:
+        places = ray_get([a.where.remote() for a in actors], f"{size} placement probes to report their GPU", timeout)
+    finally:
+        for actor in actors:
+            ray.kill(actor)
+    return sorted(range(size), key=lambda i: (tuple(int(p) for p in places[i][0].split(".") if p.isdigit()),
+                                                places[i][1]))
+
+
+def _wait_placement(pg, bundles: list[dict], c: Config) -> None:
     ray_get(pg.ready(), f"a placement group of {len(bundles)} bundles {bundles[:1]} (is the cluster big enough? "
             "lower --num-cpus-per-actor or the number of ranks/engines)", min(c.ray_timeout, 120))
-    return pg, train, engines
+
+
+def is_multi_node() -> bool:
+    """More than one live node in the Ray cluster: engines and router must then be reachable from others."""
+    return sum(1 for node in ray.nodes() if node.get("Alive")) > 1

@@ -14,8 +14,9 @@ import time
 from pathlib import Path
 
 import ray
+import ray.util
 
-from slimecore.config import Config, torch_threads
+from slimecore.config import Config
 from slimecore.plugins import load_for_config
 from slimecore.raytools import ray_get
 from slimecore.types import Sample, Status
@@ -44,20 +45,21 @@ class RolloutManager:
 
     # -- engines ---------------------------------------------------------------------------
     def _start_engines(self, placement_group, engine_bundles) -> None:
-        from slimecore.engines.embedded import launch_embedded_engines
+        from slimecore.engines.launch import EngineLauncher
         from slimecore.engines.router import Router
         from slimecore.rollout.client import RolloutClient
 
         c = self.config
-        if c.rollout_engine != "embedded":
-            raise NotImplementedError("--rollout-engine sglang needs the [sglang] extra and a GPU; not wired yet")
-        n = max(1, c.rollout_num_gpus // c.rollout_num_gpus_per_engine)
-        self.engines = launch_embedded_engines(n, c.hf_checkpoint, num_cpus=c.num_cpus_per_actor,
-                                               placement_group=placement_group, bundle_indices=engine_bundles,
-                                               timeout=c.ray_timeout, seed=c.seed, num_threads=torch_threads(c))
-        self.router = Router([url for _, url in self.engines])
+        host, self.api_key = engine_host(c)
+        if c.sglang_args and c.rollout_engine != "sglang":
+            log.warning("--sglang-* arguments %s apply to --rollout-engine sglang only; the embedded engine "
+                        "ignores them", sorted(c.sglang_args))
+        self.launcher = EngineLauncher(c, placement_group, engine_bundles, host=host, api_key=self.api_key,
+                                       log_dir=str(Path(c.log_dir) / "engines") if c.log_dir else None)
+        self.engines = self.launcher.start()
+        self.router = Router([url for _, url in self.engines], host=host, api_key=self.api_key)
         self.router.start()
-        self.client = RolloutClient(self.router.url, tokenizer=self.tokenizer)
+        self.client = RolloutClient(self.router.url, tokenizer=self.tokenizer, api_key=self.api_key)
 
     def engine_urls(self) -> list[str]:
         return [url for _, url in self.engines]
@@ -65,17 +67,39 @@ class RolloutManager:
     def router_url(self) -> str | None:
         return self.router.url if self.router else None
 
+    def weight_endpoints(self) -> list:
+        """Where train rank 0 pushes weights (``slimecore.trainers.weight_sender.Endpoint`` per engine)."""
+        return [self.launcher.endpoint(url) for _, url in self.engines]
+
+    def pause_for_update(self) -> None:
+        """Pause generation and flush every engine's cache before a weight update (a call queued behind a
+        running ``generate`` waits for it: the manager runs one call at a time)."""
+        self.loop.run_until_complete(self.client.pause_for_update())
+
+    def resume_after_update(self, version: int) -> None:
+        self.client.policy_version = version  # what the engines serve from now on (fully-async staleness)
+        self.loop.run_until_complete(self.client.continue_generation())
+
+    def release_memory(self) -> None:
+        """--offload-rollout: every engine frees its weights and KV cache while the trainer trains."""
+        self.loop.run_until_complete(self.client.flush_cache())
+        self.loop.run_until_complete(self.client.on_every_engine("/release_memory_occupation", {}))
+
+    def resume_memory(self, tags: list[str]) -> None:
+        """SGLang's order: ``["weights"]`` before the update, ``["kv_cache", "cuda_graph"]`` after it."""
+        self.loop.run_until_complete(self.client.on_every_engine("/resume_memory_occupation", {"tags": tags}))
+
     def update_weights(self, weights, version: int) -> float:
         """Load new weights into every engine: ``[ref]`` to a name->tensor dict in the object store (each
         engine fetches it once), or, for disk transport, a safetensors directory. Returns seconds taken."""
         start = time.perf_counter()
-        if self.client is not None:
-            self.client.policy_version = version  # what the engines serve from now on (fully-async staleness)
+        self.pause_for_update()
         if isinstance(weights, (str, Path)):
             self.loop.run_until_complete(self.client.update_weights_from_disk(str(weights), str(version)))
         else:
             ray_get([engine.load_weights.remote(weights[0], str(version)) for engine, _ in self.engines],
                     f"engines to load weights v{version}", self.config.ray_timeout)
+        self.resume_after_update(version)
         return time.perf_counter() - start
 
     # -- one step --------------------------------------------------------------------------
@@ -167,7 +191,19 @@ class RolloutManager:
         if self.router:
             self.router.stop()
         for engine, _ in self.engines:
-            ray.kill(engine)
+            self.launcher.stop(engine)
+
+
+def engine_host(config: Config) -> tuple[str, str | None]:
+    """(address engines and router bind, API key). One node: 127.0.0.1 and no key. Reachable from other
+    nodes (a multi-node cluster, or ``--rollout-host``): the node address and a fresh per-run key that every
+    engine and router request must carry."""
+    import secrets
+
+    from slimecore.raytools import is_multi_node
+
+    host = config.rollout_host or (ray.util.get_node_ip_address() if is_multi_node() else "127.0.0.1")
+    return host, None if host in ("127.0.0.1", "localhost") else secrets.token_urlsafe(32)
 
 
 def convert_samples(hooks, config: Config, samples: list[Sample]) -> dict:

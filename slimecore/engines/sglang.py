@@ -1,0 +1,196 @@
+"""``--rollout-engine sglang``: one Ray actor per engine, each running SGLang's HTTP server as a subprocess.
+
+The actor sits in the placement bundle of the engine's first GPU (``slimecore.raytools.gpu_placement``)
+and starts ``--sglang-launch-command`` (default ``python -m sglang.launch_server``) with SGLang's
+``ServerArgs`` as ``--<field>`` flags:
+
+- set here, as slime does: ``model_path`` (``--hf-checkpoint``), ``tp_size``
+  (``--rollout-num-gpus-per-engine``), ``base_gpu_id`` (the GPU Ray gave the actor), ``host``, ``port`` (a
+  free one), ``random_seed`` (``--seed`` + engine index), ``enable_memory_saver`` (``--offload-rollout``),
+  ``skip_server_warmup``, and ``api_key`` on a multi-node run;
+- then every ``--sglang-<field> VALUE``, then the ``--sglang-config`` YAML mapping, under SGLang's own
+  field names. An unknown field, or one of the fields above, is a start-up error (checked against the
+  installed sglang's ``ServerArgs`` before Ray starts).
+
+It waits for ``/health_generate`` (``--sglang-startup-timeout``; the error shows the server log's tail) and
+stops the server's whole process group on shutdown. The sglang package is needed only where the server
+runs (the ``[sglang]`` extra); nothing here imports it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from slimecore.config import Config, ConfigError
+
+# ServerArgs fields slime-core sets itself, and the flag that sets each
+OWNED = {"model_path": "--hf-checkpoint", "tp_size": "--rollout-num-gpus-per-engine", "base_gpu_id": "placement",
+         "host": "the run (127.0.0.1, or the node address on a multi-node run)", "port": "a free port",
+         "random_seed": "--seed", "enable_memory_saver": "--offload-rollout", "api_key": "the run's own key",
+         "skip_server_warmup": "slime-core (always on)"}
+
+
+def overrides(config: Config) -> dict:
+    """``--sglang-<field>`` values, then the ``--sglang-config`` YAML mapping over them."""
+    values = dict(config.sglang_args)
+    if config.sglang_config:
+        import yaml
+
+        path = Path(config.sglang_config)
+        if not path.is_file():
+            raise ConfigError(f"--sglang-config {path}: no such file")
+        try:
+            data = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--sglang-config {path}: not valid YAML: {exc}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"--sglang-config {path}: expected a mapping of SGLang ServerArgs fields, got "
+                              f"{type(data).__name__}")
+        values.update({str(k).replace("-", "_"): v for k, v in data.items()})
+    return values
+
+
+def check_server_args(config: Config) -> None:
+    """Every SGLang argument is a ``ServerArgs`` field slime-core does not set itself (before Ray starts)."""
+    from slimecore.engines.sglang_schema import server_args_fields
+
+    values = overrides(config)
+    for key in values:
+        if key in OWNED:
+            raise ConfigError(f"--sglang-{key.replace('_', '-')}: slime-core sets {key} itself from {OWNED[key]}; "
+                              "drop the flag")
+    fields = server_args_fields()
+    if fields is None:
+        return  # sglang is not installed here: the server checks its arguments where it runs
+    for key in values:
+        if key not in fields:
+            hint = difflib.get_close_matches(key, fields, n=1)
+            where = f"--sglang-config {config.sglang_config}" if key not in config.sglang_args else "the command line"
+            raise ConfigError(f"--sglang-{key.replace('_', '-')} (from {where}): SGLang's ServerArgs has no field "
+                              f"{key!r}" + (f"; did you mean {hint[0]!r} (--sglang-{hint[0].replace('_', '-')})?"
+                                            if hint else ""))
+
+
+def server_args(config: Config, index: int, base_gpu_id: int, host: str, port: int,
+                api_key: str | None = None) -> dict:
+    """The ``ServerArgs`` of engine ``index`` (module docstring)."""
+    args = {"model_path": config.hf_checkpoint, "tp_size": config.rollout_num_gpus_per_engine,
+            "base_gpu_id": base_gpu_id, "host": host, "port": port, "random_seed": config.seed + index,
+            "skip_server_warmup": True}
+    if config.offload_rollout:
+        args["enable_memory_saver"] = True
+    if api_key:
+        args["api_key"] = api_key
+    args.update(overrides(config))
+    return args
+
+
+def command_line(config: Config, args: dict) -> list[str]:
+    """``--sglang-launch-command`` followed by ``args`` as SGLang's CLI flags (a true bool is a bare flag,
+    false/None are left out, a list gives several values, a mapping is JSON)."""
+    command = shlex.split(config.sglang_launch_command)
+    if command and command[0] == "python":
+        command[0] = sys.executable
+    for key, value in args.items():
+        flag = "--" + key.replace("_", "-")
+        if value is True:
+            command.append(flag)
+        elif value is False or value is None:
+            continue
+        elif isinstance(value, (list, tuple)):
+            command += [flag, *map(str, value)]
+        elif isinstance(value, dict):
+            command += [flag, json.dumps(value)]
+        else:
+            command += [flag, str(value)]
+    return command
+
+
+class SGLangEngineActor:
+    """One SGLang server (``start`` returns its URL once ``/health_generate`` answers 200)."""
+
+    def __init__(self, config_dict: dict, index: int, host: str = "127.0.0.1", api_key: str | None = None,
+                 log_dir: str | None = None):
+        self.config = Config.from_dict(config_dict)
+        self.index, self.host, self.api_key = index, host, api_key
+        self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="slimecore-sglang-")) / f"engine-{index}.log"
+        self.process: subprocess.Popen | None = None
+        self.url: str | None = None
+
+    def start(self) -> str:
+        from slimecore.engines.router import _die_with_parent, free_port
+        from slimecore.raytools import local_gpu
+
+        port = free_port(self.host)
+        args = server_args(self.config, self.index, local_gpu() or 0, self.host, port, self.api_key)
+        self.url = f"http://{self.host}:{port}"
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+        env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "false"  # /health answers at once (slime does the same)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = self.log_path.open("ab")
+        self.process = subprocess.Popen(command_line(self.config, args), stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        try:
+            self._wait_healthy(self.config.sglang_startup_timeout)
+        except BaseException:
+            self.shutdown()
+            raise
+        return self.url
+
+    def _wait_healthy(self, timeout: float) -> None:
+        from slimecore.engines.router import _http
+
+        deadline = time.time() + timeout
+        last = "no answer yet"
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"SGLang engine {self.index} exited with code {self.process.returncode} before "
+                                   f"it served {self.url}; log {self.log_path}, tail:\n{self.log_tail()}")
+            try:
+                status, _ = _http("GET", self.url + "/health_generate", timeout=30, api_key=self.api_key)
+                if status == 200:
+                    return
+                last = f"HTTP {status}"
+            except OSError as exc:
+                last = f"{type(exc).__name__}: {getattr(exc, 'reason', exc)}"
+            time.sleep(1)
+        raise TimeoutError(f"SGLang engine {self.index} at {self.url} did not answer /health_generate with 200 "
+                           f"within {timeout:.0f}s (--sglang-startup-timeout; last: {last}); log {self.log_path}, "
+                           f"tail:\n{self.log_tail()}")
+
+    def log_tail(self, lines: int = 30) -> str:
+        if not self.log_path.is_file():
+            return ""
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+
+    def health(self, timeout: float = 5) -> bool:
+        """``/health_generate`` answers 200 within ``timeout`` seconds."""
+        from slimecore.engines.router import _http
+
+        if self.process is None or self.process.poll() is not None:
+            return False
+        try:
+            return _http("GET", self.url + "/health_generate", timeout=timeout, api_key=self.api_key)[0] == 200
+        except OSError:
+            return False
+
+    def shutdown(self) -> None:
+        """Stop the server and everything it started (its own process group)."""
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(timeout=30)
+        if getattr(self, "_log", None):
+            self._log.close()
