@@ -312,3 +312,24 @@ def test_lr_schedule_shapes():
                                              0.1, 0.1]
     assert f(lr_decay_style="constant") == [0.5] + [1.0] * 7
     assert f(train_iters=None) == [0.5] + [1.0] * 7
+
+
+def test_offload_round_trip_keeps_weights_grads_and_optimizer_state(tiny_checkpoint):
+    """--offload-train: everything goes to CPU and back unchanged (on CPU both moves stay on the CPU; the
+    GPU case has not been run here), and the exported weights buckets stay within the buffer size."""
+    config = _config(tiny_checkpoint)
+    data = _data()
+    _, grads, trainer, _ = _train_once(config, data)
+    weights = _flat_weights(trainer)
+    state = {k: v.clone() for k, v in trainer.optimizer.state[trainer.params[0]].items()}
+    trainer.offload()
+    assert all(p.device.type == "cpu" for p in trainer.params)
+    assert all(v.device.type == "cpu" for v in trainer.optimizer.state[trainer.params[0]].values())
+    trainer.onload()
+    assert torch.equal(_flat_weights(trainer), weights) and torch.equal(_flat_grads(trainer), grads)
+    assert all(torch.equal(v, state[k]) for k, v in trainer.optimizer.state[trainer.params[0]].items())
+    buckets = list(trainer.hf_weight_buckets(64 * 1024))
+    sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
+    assert len(buckets) > 1 and all(s <= 64 * 1024 or len(b) == 1 for s, b in zip(sizes, buckets))
+    names = [n for b in buckets for n, _ in b]
+    assert len(names) == len(set(names)) and "model.embed_tokens.weight" in names

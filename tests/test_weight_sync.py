@@ -175,3 +175,37 @@ def test_release_frees_the_weights_and_a_push_brings_them_back(tiny_checkpoint):
         WeightSender(timeout=60).push([list(model.state_dict().items())], [Endpoint(url)], "9", "tensor")
         assert server.weights_digest() == weight_sync.digest(model.state_dict().items()) and weight_gb() > 0
         assert http_json("POST", url + "/generate", {"input_ids": PROMPT})[0] == 200
+
+
+def test_api_key_guards_every_endpoint_but_health(tiny_checkpoint):
+    from slimecore.engines.router import http_json as keyed
+    from slimecore.testing.engines import embedded_engine
+
+    with embedded_engine(tiny_checkpoint, api_key="k3y") as server:
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
+        assert http_json("POST", server.url + "/generate", body) == (401, {"error": "Unauthorized"})
+        assert keyed("POST", server.url + "/generate", body, api_key="wrong")[0] == 401
+        assert http_json("POST", server.url + "/update_weights_from_tensor", {})[0] == 401
+        assert http_json("GET", server.url + "/health")[0] == 200
+        assert keyed("POST", server.url + "/generate", body, api_key="k3y")[0] == 200
+
+
+def test_a_changed_engine_set_gets_a_new_weight_group(tiny_checkpoint):
+    """A restarted engine (new URL) joins at the next push: the sender leaves the old group and makes one
+    with the current engines."""
+    from slimecore.testing.engines import embedded_engine
+
+    model = trainer_model(tiny_checkpoint, seed=11)
+    named = list(weight_sync.unique_tensors(model.state_dict().items()))
+    sender = WeightSender(timeout=120)
+    with embedded_engine(tiny_checkpoint) as first, embedded_engine(tiny_checkpoint) as second:
+        try:
+            sender.push([named], [Endpoint(first.url)], "1", "distributed")
+            old = sender._group_name
+            sender.push([named], [Endpoint(first.url), Endpoint(second.url)], "2", "distributed")
+            assert sender._group_name != old and not first._weight_groups.get(old)
+            expected = weight_sync.digest(model.state_dict().items())
+            assert first.weights_digest() == expected and second.weights_digest() == expected
+            assert second.weight_version == "2"
+        finally:
+            sender.close()
