@@ -68,6 +68,37 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def spawn_logged(args: list[str], log_path: Path, env: dict | None = None) -> tuple[subprocess.Popen, object]:
+    """Start a server in its own process group (so stopping it stops its children), stdout and stderr
+    appended to ``log_path``; it gets SIGTERM if this process dies. Returns (process, open log file)."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = log_path.open("ab")
+    process = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                               preexec_fn=_die_with_parent)
+    return process, log
+
+
+def log_tail(log_path: Path, lines: int = 20) -> str:
+    """The last lines of a server log, without terminal colour codes."""
+    if not log_path.is_file():
+        return ""
+    text = re.sub(r"\x1b\[[0-9;]*m", "", log_path.read_text(errors="replace"))
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def stop_process_group(process: subprocess.Popen | None, log=None, timeout: float = 10) -> None:
+    """SIGTERM the process's group, SIGKILL it after ``timeout`` seconds; close its log."""
+    if process is not None and process.poll() is None:
+        os.killpg(process.pid, signal.SIGTERM)
+        try:
+            process.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait(timeout=timeout)
+    if log is not None:
+        log.close()
+
+
 class Router:
     """One sglang-router subprocess (own process group, killed on ``stop``), logging to ``log_path``.
 
@@ -90,7 +121,6 @@ class Router:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> Router:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
         args = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(self.port),
                 "--policy", self.policy, "--log-level", "warn", "--prometheus-port", str(free_port()),
                 "--worker-startup-timeout-secs", str(max(1, int(self.startup_timeout))),
@@ -99,9 +129,7 @@ class Router:
             args += ["--worker-urls", *self.worker_urls]
         if self.api_key:
             args += ["--api-key", self.api_key]
-        self._log = self.log_path.open("wb")
-        self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
-                                        preexec_fn=_die_with_parent)
+        self.process, self._log = spawn_logged(args, self.log_path)
         try:
             self.wait_ready(len(self.worker_urls))
         except BaseException:
@@ -111,10 +139,7 @@ class Router:
 
     def log_tail(self, lines: int = 20) -> str:
         """The last lines of the router's log, without its terminal colour codes."""
-        if not self.log_path.is_file():
-            return ""
-        text = re.sub(r"\x1b\[[0-9;]*m", "", self.log_path.read_text(errors="replace"))
-        return "\n".join(text.splitlines()[-lines:])
+        return log_tail(self.log_path, lines)
 
     def wait_ready(self, workers: int, timeout: float | None = None) -> None:
         """Block until ``/readiness`` reports at least ``workers`` healthy workers (for 0 workers, until
@@ -186,12 +211,4 @@ class Router:
             self.worker_urls.remove(url)
 
     def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=10)
-        if getattr(self, "_log", None):
-            self._log.close()
+        stop_process_group(self.process, getattr(self, "_log", None))

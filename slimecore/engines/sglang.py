@@ -23,7 +23,6 @@ import difflib
 import json
 import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
@@ -127,7 +126,7 @@ class SGLangEngineActor:
         self.url: str | None = None
 
     def start(self) -> str:
-        from slimecore.engines.router import _die_with_parent, free_port
+        from slimecore.engines.router import free_port, spawn_logged
         from slimecore.raytools import local_gpu
 
         port = free_port(self.host)
@@ -135,10 +134,7 @@ class SGLangEngineActor:
         self.url = f"http://{self.host}:{port}"
         env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
         env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "false"  # /health answers at once (slime does the same)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = self.log_path.open("ab")
-        self.process = subprocess.Popen(command_line(self.config, args), stdout=self._log, stderr=subprocess.STDOUT,
-                                        env=env, start_new_session=True, preexec_fn=_die_with_parent)
+        self.process, self._log = spawn_logged(command_line(self.config, args), self.log_path, env)
         try:
             self._wait_healthy(self.config.sglang_startup_timeout)
         except BaseException:
@@ -168,9 +164,9 @@ class SGLangEngineActor:
                            f"tail:\n{self.log_tail()}")
 
     def log_tail(self, lines: int = 30) -> str:
-        if not self.log_path.is_file():
-            return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        from slimecore.engines.router import log_tail
+
+        return log_tail(self.log_path, lines)
 
     def health(self, timeout: float = 5) -> bool:
         """``/health_generate`` answers 200 within ``timeout`` seconds."""
@@ -185,12 +181,7 @@ class SGLangEngineActor:
 
     def shutdown(self) -> None:
         """Stop the server and everything it started (its own process group)."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait(timeout=30)
-        if getattr(self, "_log", None):
-            self._log.close()
+        from slimecore.engines.router import stop_process_group
+
+        stop_process_group(self.process, getattr(self, "_log", None), timeout=30)
+        self._log = None
