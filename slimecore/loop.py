@@ -96,7 +96,8 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
                 metrics["timeline/train_end"] = time.time()
                 version += int(actor_updates)
                 # async: the manager finishes the in-flight generation before it pauses the engines
-                push = actor_updates and (not config.train_async or (rollout_id + 1) % config.update_weights_interval == 0)
+                interval = (rollout_id + 1) % config.update_weights_interval == 0
+                push = actor_updates and (not config.train_async or interval)
                 if engines_live:
                     metrics["perf/update_weights_time"] = weight_updates.after_train(config, groups, rollout, version,
                                                                                      push)

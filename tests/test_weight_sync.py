@@ -90,7 +90,8 @@ def test_engine_rejects_bad_weight_requests(engine_actor):
     status, out = http_json("POST", url + "/update_weights_from_distributed",
                             {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"})
     assert status == 400 and "init_weights_update_group" in out["message"]
-    status, out = http_json("POST", url + "/update_weights_from_tensor", {"serialized_named_tensors": ["bm90IGEgcGlja2xl"]})
+    not_a_pickle = {"serialized_named_tensors": ["bm90IGEgcGlja2xl"]}
+    status, out = http_json("POST", url + "/update_weights_from_tensor", not_a_pickle)
     assert status == 400 and out["success"] is False
     status, out = http_json("POST", url + "/update_weights_from_tensor", {"load_format": "flattened_bucket"})
     assert status == 400 and "serialized_named_tensors" in out["message"]

@@ -2,8 +2,11 @@
 
 It answers the endpoints the router and slime-style rollouts use (``/generate``, ``/health``,
 ``/model_info``, ``/server_info``, ``/abort_request``, ``/v1/loads``, ``/flush_cache``,
-``/pause_generation``, ``/continue_generation``, ``/update_weights_from_disk``, weight version), with
-the same request and response shapes (reference/sglang-api.md), bound to 127.0.0.1. The aiohttp
+``/pause_generation``, ``/continue_generation``, the weight-sync endpoints ``/update_weights_from_disk``,
+``/update_weights_from_tensor``, ``/init_weights_update_group``, ``/update_weights_from_distributed``,
+``/destroy_weights_update_group``, ``/release_memory_occupation``, ``/resume_memory_occupation``, weight
+version), with the same request and response shapes as SGLang, bound to 127.0.0.1 (or the node's address
+with an API key, as SGLang's ``--api-key``). The aiohttp
 routes live in :mod:`slimecore.engines.http`; this module holds the model, the scheduler and the
 request state they drive.
 
@@ -21,8 +24,8 @@ the trainer computes: the two agree to float32 rounding (tested < 1e-4). Only lo
 request asks for (penalties, ``logit_bias``, the stop-token ban before ``min_new_tokens``) are applied
 before the softmax, as SGLang does; the trainer cannot reproduce those.
 
-Weights: a generation wave holds ``_weights_lock``; ``load_weights`` (in-memory, Ray object store)
-and ``update_weights_from_disk`` take it too, so they wait for the running requests (none run while
+Weights: a generation wave holds ``_weights_lock``; every weight update (``load_weights`` underneath the
+object-store, disk, tensor and distributed paths) takes it too, so they wait for the running requests (none run while
 paused) and the requests queued meanwhile start on the new weights.
 """
 

@@ -1,4 +1,4 @@
-"""aiohttp routes of the embedded engine, shaped like SGLang's HTTP server (reference/sglang-api.md)."""
+"""aiohttp routes of the embedded engine, shaped like SGLang's HTTP server (srt/entrypoints/http_server.py)."""
 
 from __future__ import annotations
 
