@@ -28,7 +28,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _http(method: str, url: str, body: dict | None = None, timeout: float = 10) -> tuple[int, bytes]:
+def http_request(method: str, url: str, body: dict | None = None, timeout: float = 10) -> tuple[int, bytes]:
     """(status, body) of one request; HTTP errors are returned, connection errors raise OSError."""
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, method=method, headers={"Content-Type": "application/json"})
@@ -42,7 +42,7 @@ def _http(method: str, url: str, body: dict | None = None, timeout: float = 10) 
 def _probe(url: str) -> str:
     """What a worker's ``GET /health`` says, for error messages."""
     try:
-        status, _ = _http("GET", url + "/health", timeout=2)
+        status, _ = http_request("GET", url + "/health", timeout=2)
     except OSError as exc:
         return f"GET {url}/health failed: {getattr(exc, 'reason', exc)}"
     return f"GET {url}/health -> HTTP {status}"
@@ -81,7 +81,7 @@ class Router:
                 "--health-check-interval-secs", str(self.health_check_interval)]
         if self.worker_urls:
             args += ["--worker-urls", *self.worker_urls]
-        self._log = self.log_path.open("wb")
+        self._log = self.log_path.open("ab")  # a restarted router keeps the log of the one that died
         self.process = subprocess.Popen(args, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True,
                                         preexec_fn=_die_with_parent)
         try:
@@ -109,7 +109,7 @@ class Router:
                 raise RuntimeError(f"sglang-router exited with code {self.process.returncode}; "
                                    f"log tail:\n{self.log_tail()}")
             try:
-                status, body = _http("GET", self.url + "/readiness", timeout=2)
+                status, body = http_request("GET", self.url + "/readiness", timeout=2)
                 if workers == 0:
                     return
                 healthy = json.loads(body).get("healthy_workers", 0) if body else 0
@@ -129,7 +129,7 @@ class Router:
     def workers(self) -> list[dict]:
         """``GET /workers``: the router's worker records (``url``, ``id``, health, ...); [] if unreachable."""
         try:
-            status, body = _http("GET", self.url + "/workers", timeout=5)
+            status, body = http_request("GET", self.url + "/workers", timeout=5)
         except OSError:
             return []
         if status != 200:
@@ -144,7 +144,7 @@ class Router:
 
     def add_worker(self, url: str, timeout: float | None = None) -> None:
         """Register a worker and wait until the router reports it healthy."""
-        status, body = _http("POST", self.url + "/workers", {"url": url})
+        status, body = http_request("POST", self.url + "/workers", {"url": url})
         if status >= 300:
             raise RuntimeError(f"router refused worker {url}: HTTP {status} {body[:200]!r}")
         self.worker_urls.append(url)
@@ -155,7 +155,7 @@ class Router:
         ids = [r.get("id") for r in self.workers() if r["url"] == url]
         if not ids:
             raise ValueError(f"{url} is not a worker of the router at {self.url}; it has {self.list_workers()}")
-        status, body = _http("DELETE", f"{self.url}/workers/{ids[0]}")
+        status, body = http_request("DELETE", f"{self.url}/workers/{ids[0]}")
         if status >= 300:
             raise RuntimeError(f"router refused to remove worker {url}: HTTP {status} {body[:200]!r}")
         deadline = time.time() + timeout
@@ -165,6 +165,12 @@ class Router:
             time.sleep(0.1)
         if url in self.worker_urls:
             self.worker_urls.remove(url)
+
+    def restart(self) -> Router:
+        """Start the router again on the same port with the current workers (after its process died), so
+        clients keep their URL."""
+        self.stop()
+        return self.start()
 
     def stop(self) -> None:
         if self.process and self.process.poll() is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ import ray
 
 from slimecore.config import Config, torch_threads
 from slimecore.plugins import load_for_config
-from slimecore.raytools import ray_get
+from slimecore.raytools import engine_host
 from slimecore.types import Sample, Status
 
 log = logging.getLogger("slimecore.rollout")
@@ -36,15 +37,17 @@ class RolloutManager:
         self.tokenizer = load_tokenizer(config.hf_checkpoint)
         self.data_source = self.hooks.data_source(config=config, tokenizer=self.tokenizer, hooks=self.hooks)
         self.loop = asyncio.new_event_loop()
-        self.engines, self.router, self.client = [], None, None
+        self.fleet, self.router, self.client = None, None, None
         self._states: dict[int, dict] = {}  # data-source state after each generated step (for checkpoints)
         self._eval_sources: dict[str, object] = {}
+        self._retries_logged = 0
         if not (config.debug_train_only or config.load_debug_rollout_data):
             self._start_engines(placement_group, engine_bundles)
 
     # -- engines ---------------------------------------------------------------------------
     def _start_engines(self, placement_group, engine_bundles) -> None:
-        from slimecore.engines.embedded import launch_embedded_engines
+        from slimecore.engines.embedded import EmbeddedEngines
+        from slimecore.engines.fleet import EngineFleet
         from slimecore.engines.router import Router
         from slimecore.rollout.client import RolloutClient
 
@@ -52,12 +55,25 @@ class RolloutManager:
         if c.rollout_engine != "embedded":
             raise NotImplementedError("--rollout-engine sglang needs the [sglang] extra and a GPU; not wired yet")
         n = max(1, c.rollout_num_gpus // c.rollout_num_gpus_per_engine)
-        self.engines = launch_embedded_engines(n, c.hf_checkpoint, num_cpus=c.num_cpus_per_actor,
-                                               placement_group=placement_group, bundle_indices=engine_bundles,
-                                               timeout=c.ray_timeout, seed=c.seed, num_threads=torch_threads(c))
-        self.router = Router([url for _, url in self.engines])
-        self.router.start()
-        self.client = RolloutClient(self.router.url, tokenizer=self.tokenizer)
+        lifecycle = EmbeddedEngines(c.hf_checkpoint, num_cpus=c.num_cpus_per_actor, placement_group=placement_group,
+                                    bundle_indices=engine_bundles, timeout=c.ray_timeout, seed=c.seed,
+                                    num_threads=torch_threads(c), host=engine_host(placement_group))
+        self.fleet = EngineFleet(lifecycle, n, Router([]), health_check=c.use_fault_tolerance,
+                                 check_interval=c.rollout_health_check_interval,
+                                 check_timeout=c.rollout_health_check_timeout,
+                                 first_wait=c.rollout_health_check_first_wait).start()
+        self.router = self.fleet.router
+        # a request cut off by a dying engine or router is retried until the monitor can have found and replaced
+        # it: the client's backoff doubles from 0.2 s to 10 s, so 6 retries span 12 s and each further one 10 s
+        repair = c.rollout_health_check_interval + c.rollout_health_check_timeout + 60
+        retries = 6 + math.ceil(repair / 10)
+        self.client = RolloutClient(self.router.url, tokenizer=self.tokenizer,
+                                    max_retries=retries if c.use_fault_tolerance else 5)
+
+    @property
+    def engines(self) -> list:
+        """``[(handle, url), ...]`` of the engines serving now (a replaced engine has a new handle and URL)."""
+        return self.fleet.engines if self.fleet else []
 
     def engine_urls(self) -> list[str]:
         return [url for _, url in self.engines]
@@ -71,11 +87,7 @@ class RolloutManager:
         start = time.perf_counter()
         if self.client is not None:
             self.client.policy_version = version  # what the engines serve from now on (fully-async staleness)
-        if isinstance(weights, (str, Path)):
-            self.loop.run_until_complete(self.client.update_weights_from_disk(str(weights), str(version)))
-        else:
-            ray_get([engine.load_weights.remote(weights[0], str(version)) for engine, _ in self.engines],
-                    f"engines to load weights v{version}", self.config.ray_timeout)
+        self.fleet.update_weights(weights, str(version), self.config.ray_timeout)
         return time.perf_counter() - start
 
     # -- one step --------------------------------------------------------------------------
@@ -98,6 +110,7 @@ class RolloutManager:
         for old in [k for k in self._states if k < rollout_id - 2]:
             del self._states[old]
         metrics.update(rollout_metrics(samples, time.perf_counter() - start, c.reward_key))
+        metrics.update(self._fault_metrics())
         metrics.update({"timeline/rollout_start": wall_start, "timeline/rollout_end": time.time()})
         if c.save_debug_rollout_data:
             self._save_debug(rollout_id, samples)
@@ -105,6 +118,14 @@ class RolloutManager:
         if c.debug_rollout_only:
             return None, metrics
         return self._to_train_refs(samples, dp_size), metrics
+
+    def _fault_metrics(self) -> dict[str, float]:
+        """Engine and router restarts and retried requests since the last step (slimecore.engines.fleet)."""
+        if self.fleet is None:
+            return {}
+        self.fleet.check()
+        retries, self._retries_logged = self.client.retries - self._retries_logged, self.client.retries
+        return {**self.fleet.metrics(), "rollout/request_retries": float(retries)}
 
     def _to_train_refs(self, samples: list[Sample], dp_size: int) -> list:
         from slimecore.trainers.schedule import split_rollout_data
@@ -164,10 +185,8 @@ class RolloutManager:
         self.hooks.shutdown(config=self.config, process="rollout")
         if self.client:
             self.loop.run_until_complete(self.client.close())
-        if self.router:
-            self.router.stop()
-        for engine, _ in self.engines:
-            ray.kill(engine)
+        if self.fleet:
+            self.fleet.stop()
 
 
 def convert_samples(hooks, config: Config, samples: list[Sample]) -> dict:
