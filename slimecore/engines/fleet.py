@@ -74,7 +74,9 @@ class EngineFleet:
         self.engines: list[tuple[Any, str]] = []
         self.error: BaseException | None = None  # a replacement that failed: the run cannot go on
         self._weights: tuple[Any, str] | None = None
-        self._lock = threading.Lock()  # current weights and engine slots change together
+        # current weights and engine slots change together; re-entrant, as a replacement that finds the router
+        # dead restarts it (and counts that) while holding it
+        self._lock = threading.RLock()
         self._router_lock = threading.RLock()  # one change to the router (a worker in or out, a restart) at a time
         self._counts = {"rollout/engine_restarts": 0, "rollout/router_restarts": 0}
         self._stop = threading.Event()
