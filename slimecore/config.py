@@ -72,6 +72,23 @@ CORE_OPTIONS: list[Option] = [
        "synchronous loop (train and rollout take turns), half of them with --train-async.", group="cluster"),
     _O("ray_timeout", float, 1800.0, "Seconds any single wait on Ray may take before the run fails with a message.",
        group="cluster"),
+    # -- clusters and faults (slimecore.raytools, slimecore.engines.fleet)
+    _O("ray_address", str, None, "Join this Ray cluster (default: $RAY_ADDRESS, as under `ray job submit`) instead "
+       "of starting a local instance.", group="cluster"),
+    _O("actor_resources", json_value, None, "Custom Ray resources each train rank's bundle asks for, as JSON "
+       "(e.g. '{\"trainer\": 1}'): puts the trainers on the nodes started with them (ray start --resources).",
+       group="cluster"),
+    _O("rollout_resources", json_value, None, "Custom Ray resources each engine's bundle asks for, as JSON: puts "
+       "the engines on the nodes started with them.", group="cluster"),
+    _O("use_fault_tolerance", bool, True, "Health-check every engine; restart a dead or hung one with the current "
+       "weights, and the router if it dies (--no-use-fault-tolerance: off).", group="cluster"),
+    _O("rollout_health_check_interval", float, 30.0, "Seconds between two health checks of each engine.",
+       group="cluster"),
+    _O("rollout_health_check_timeout", float, 30.0, "Seconds an engine has to answer GET /health_generate.",
+       group="cluster"),
+    _O("rollout_health_check_first_wait", float, 0.0, "Seconds before the first health check.", group="cluster"),
+    _O("train_timeout", float, None, "Seconds one training step or weight sync may take on any rank before the run "
+       "fails naming the rank and stage that hung (default: --ray-timeout).", group="cluster"),
     # -- data
     _O("prompt_data", str, None, "Prompt file (.jsonl/.parquet), optionally path@[start:end]. Default: --task.", group="data"),
     _O("task", str, "compare", "Built-in procedurally generated task used when --prompt-data is not given.", group="data"),
@@ -593,6 +610,16 @@ def validate_core(config: Config) -> None:
         from slimecore.rollout.evaluation import eval_datasets
 
         eval_datasets(c)  # a bad eval YAML fails here, before Ray starts
+    for name in ("actor_resources", "rollout_resources"):
+        value = getattr(c, name)
+        if value is not None and not (isinstance(value, dict) and all(
+                isinstance(k, str) and isinstance(v, (int, float)) and v > 0 for k, v in value.items())):
+            raise ConfigError(f"{CORE_BY_NAME[name].flag} must be a JSON object of resource names to positive amounts, "
+                              f"e.g. '{{\"trainer\": 1}}', got {value!r}")
+    for name in ("rollout_health_check_interval", "rollout_health_check_timeout", "train_timeout"):
+        value = getattr(c, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{CORE_BY_NAME[name].flag} must be > 0 seconds, got {value}")
     if c.save_interval is not None and not c.save:
         raise ConfigError("--save-interval needs --save DIR")
     validate_engines(c)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 
 import ray
@@ -10,6 +12,8 @@ from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group
 
 from slimecore.config import Config
+
+log = logging.getLogger("slimecore.ray")
 
 
 class RayWaitTimeout(TimeoutError):
@@ -26,24 +30,46 @@ def ray_get(refs, what: str, timeout: float):
 
 
 def init_ray(config: Config) -> None:
+    """Join the cluster at ``--ray-address`` / ``RAY_ADDRESS`` (as under ``ray job submit``), else start a
+    local Ray instance sized to this machine. A joined cluster is used as it is: nothing cluster-wide
+    (CPUs, object store, dashboard) is set, and no second instance is ever started."""
     if ray.is_initialized():
         return
     env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     for key, value in env.items():
         os.environ.setdefault(key, value)
+    runtime_env = {"env_vars": {k: os.environ[k] for k in set(env) - _job_env_vars()}}
+    address = config.ray_address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        log.info("joined the Ray cluster at %s: %d node(s), %s", address, len(nodes),
+                 {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
+        return
     ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True,
              object_store_memory=int(os.environ.get("SLIMECORE_OBJECT_STORE_BYTES", 2 * 1024**3)),
-             runtime_env={"env_vars": {k: os.environ[k] for k in env}})
+             runtime_env=runtime_env)
+
+
+def _job_env_vars() -> set[str]:
+    """The environment variables a ``ray job submit --runtime-env-json`` set: Ray refuses a driver that sets
+    any of them again, and the job's own values win."""
+    job_config = os.environ.get("RAY_JOB_CONFIG_JSON_ENV_VAR")
+    if not job_config:
+        return set()
+    return set((json.loads(job_config).get("runtime_env") or {}).get("env_vars") or {})
 
 
 def create_placement(config: Config, roles: list[str] = ("actor",)):
     """One placement group for everything; returns (pg, {role: train bundle indices}, engine bundle indices).
 
-    On a cluster with GPUs the bundles are slime's (``gpu_placement``). On CPU, every training role (the
-    actor, and e.g. a critic) has the actor's number of ranks. Disaggregated: each role's ranks take their
-    own bundles, engines the rest. Colocated: rank i of every role and engine i share bundle i (each
-    bundle holds all those actors' CPUs).
+    Every training role (the actor, and e.g. a critic) has the actor's number of ranks. Disaggregated:
+    each role's ranks take their own bundles, engines the rest. Colocated: rank i of every role and
+    engine i share bundle i (each bundle holds all those actors' CPUs). ``--actor-resources`` /
+    ``--rollout-resources`` add custom Ray resources to the train / engine bundles, which pins them to the
+    nodes started with those resources. On several nodes, each kind's bundles are ordered by node address
+    as slime orders its GPUs, so ranks 0..k share a node and rank 0 comes first.
     """
     if cluster_gpus() > 0:
         return gpu_placement(config, roles)
@@ -51,17 +77,25 @@ def create_placement(config: Config, roles: list[str] = ("actor",)):
     n_train = 0 if c.debug_rollout_only else c.actor_num_nodes * c.actor_num_gpus_per_node
     no_engines = c.debug_train_only or c.load_debug_rollout_data
     n_engines = 0 if no_engines else max(1, c.rollout_num_gpus // c.rollout_num_gpus_per_engine)
+    train_bundle = {"CPU": c.num_cpus_per_actor, **(c.actor_resources or {})}
+    engine_bundle = {"CPU": c.num_cpus_per_actor, **(c.rollout_resources or {})}
     if c.colocate:
         size = max(n_train, n_engines)
-        bundles = [{"CPU": c.num_cpus_per_actor * (len(roles) + 1)}] * size
+        bundles = [{**train_bundle, **engine_bundle, "CPU": c.num_cpus_per_actor * (len(roles) + 1)}] * size
         train = {role: list(range(n_train)) for role in roles}
         engines = list(range(n_engines))
     else:
-        bundles = [{"CPU": c.num_cpus_per_actor}] * (n_train * len(roles) + n_engines)
+        bundles = [train_bundle] * (n_train * len(roles)) + [engine_bundle] * n_engines
         train = {role: list(range(k * n_train, (k + 1) * n_train)) for k, role in enumerate(roles)}
         engines = list(range(n_train * len(roles), len(bundles)))
     pg = placement_group(bundles, strategy="PACK")
     _wait_placement(pg, bundles, c)
+    nodes = bundle_nodes(pg)
+    if len(set(nodes)) > 1:
+        train = {role: sorted(indices, key=lambda i: (nodes[i], i)) for role, indices in train.items()}
+        engines = sorted(engines, key=lambda i: (nodes[i], i))
+        log.info("placement over %d nodes: %s", len(set(nodes)),
+                 {role: [nodes[i][0] for i in indices] for role, indices in {**train, "engines": engines}.items()})
     return pg, train, engines
 
 
@@ -144,3 +178,14 @@ def _wait_placement(pg, bundles: list[dict], c: Config) -> None:
 def is_multi_node() -> bool:
     """More than one live node in the Ray cluster: engines and router must then be reachable from others."""
     return sum(1 for node in ray.nodes() if node.get("Alive")) > 1
+
+
+def bundle_nodes(pg) -> list[tuple[str, str]]:
+    """``(node address, node id)`` of each bundle of a ready placement group, in bundle order."""
+    by_bundle = ray.util.placement_group_table(pg)["bundles_to_node_id"]
+    address = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    return [(address.get(by_bundle[i], ""), by_bundle[i]) for i in range(len(by_bundle))]
+
+
+def spans_nodes(pg) -> bool:
+    return pg is not None and len({node for _, node in bundle_nodes(pg)}) > 1

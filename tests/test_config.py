@@ -73,6 +73,20 @@ def test_invalid_combinations_name_the_flags():
         parse_config(["--prompt-data", "x.jsonl"], [], {})
 
 
+def test_cluster_and_fault_options_are_checked_before_ray_starts():
+    config = parse_config(BASE + ["--actor-resources", '{"trainer": 1}', "--no-use-fault-tolerance"], [], {})
+    assert config.actor_resources == {"trainer": 1} and config.use_fault_tolerance is False
+    assert parse_config(BASE, [], {}).use_fault_tolerance is True  # on by default
+    with pytest.raises(ConfigError, match="--rollout-resources must be a JSON object of resource names"):
+        parse_config(BASE + ["--rollout-resources", '["rollout"]'], [], {})
+    with pytest.raises(ConfigError, match="--actor-resources must be a JSON object"):
+        parse_config(BASE + ["--actor-resources", '{"trainer": 0}'], [], {})
+    with pytest.raises(ConfigError, match="--rollout-health-check-interval must be > 0 seconds"):
+        parse_config(BASE + ["--rollout-health-check-interval", "0"], [], {})
+    with pytest.raises(ConfigError, match="--train-timeout must be > 0 seconds"):
+        parse_config(BASE + ["--train-timeout", "-1"], [], {})
+
+
 def test_plugin_option_conflicts():
     clash = {"a": [Option("eps_clip", float, 0.2)], "b": [Option("eps_clip", float, 0.3)]}
     with pytest.raises(ConfigError, match="plugins 'a' and 'b' both declare --eps-clip"):

@@ -122,3 +122,19 @@ def test_readiness_error_names_the_dead_worker_and_shows_the_log(tmp_path, engin
     assert f"{dead} (not registered; GET {dead}/health failed" in message
     assert "1/2 healthy workers" in message and "Router log tail:" in message
     assert time.perf_counter() - start < 15
+
+
+def test_abort_skips_an_engine_that_is_gone(engines):
+    """An engine that died (refused) has nothing left to abort: it counts as idle at once, while a live one
+    is aborted and polled as usual; the fault monitor replaces the dead one."""
+    servers, router = engines
+    client = RolloutClient(router.url, max_retries=20)
+
+    async def main():
+        start = time.perf_counter()
+        busy = [await client._abort_on(url) for url in (f"http://127.0.0.1:{free_port()}", servers[0].url)]
+        await client.close()
+        return busy, time.perf_counter() - start
+
+    busy, seconds = asyncio.run(main())
+    assert busy == [0, 0] and seconds < 5

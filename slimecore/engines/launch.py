@@ -9,9 +9,12 @@ the engine set changes). Each actor answers ``health(timeout)`` and ``shutdown()
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import ray
 
 from slimecore.config import Config, torch_threads
+from slimecore.engines.fleet import post_update_weights_from_disk
 from slimecore.raytools import ENGINE_GPU_SHARE, bundle_options, ray_get
 from slimecore.trainers.weight_sender import Endpoint
 
@@ -63,6 +66,20 @@ class EngineLauncher:
         except (ray.exceptions.RayError, TimeoutError):
             pass  # already dead: killing the actor below is all there is left to do
         ray.kill(actor)
+
+    # -- the lifecycle slimecore.engines.fleet drives (health checks, restarts) -------------------------
+    def load_weights(self, actor, url: str, weights, version: str) -> None:
+        """Give a (re)started engine the weights ``RolloutManager.update_weights`` last got: ``[ref]`` to a
+        name->tensor dict in the object store, or a directory (``/update_weights_from_disk``). Weights pushed
+        by train rank 0 (tensor / distributed) reach a restarted engine with the next push."""
+        if isinstance(weights, (str, Path)):
+            post_update_weights_from_disk(url, str(weights), version, api_key=self.api_key)
+        else:
+            ray.get(actor.load_weights.remote(weights[0], version))
+
+    def shutdown(self, actor) -> None:
+        """Stop at once, even a hung engine (its actor cannot answer a polite shutdown)."""
+        self.stop(actor, timeout=5)
 
     def endpoint(self, url: str) -> Endpoint:
         tp_size = self.config.rollout_num_gpus_per_engine if self.config.rollout_engine == "sglang" else 1

@@ -28,7 +28,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _http(method: str, url: str, body: dict | None = None, timeout: float = 10,
+def http_request(method: str, url: str, body: dict | None = None, timeout: float = 10,
           api_key: str | None = None) -> tuple[int, bytes]:
     """(status, body) of one request; HTTP errors are returned, connection errors raise OSError."""
     data = json.dumps(body).encode() if body is not None else None
@@ -46,7 +46,7 @@ def _http(method: str, url: str, body: dict | None = None, timeout: float = 10,
 def http_json(method: str, url: str, body: dict | None = None, timeout: float = 60,
               api_key: str | None = None) -> tuple[int, object]:
     """(status, decoded JSON body, or its text when it is not JSON) of one request."""
-    status, raw = _http(method, url, body, timeout, api_key)
+    status, raw = http_request(method, url, body, timeout, api_key)
     try:
         return status, json.loads(raw) if raw else None
     except ValueError:
@@ -56,7 +56,7 @@ def http_json(method: str, url: str, body: dict | None = None, timeout: float = 
 def _probe(url: str) -> str:
     """What a worker's ``GET /health`` says, for error messages."""
     try:
-        status, _ = _http("GET", url + "/health", timeout=2)
+        status, _ = http_request("GET", url + "/health", timeout=2)
     except OSError as exc:
         return f"GET {url}/health failed: {getattr(exc, 'reason', exc)}"
     return f"GET {url}/health -> HTTP {status}"
@@ -152,7 +152,7 @@ class Router:
                 raise RuntimeError(f"sglang-router exited with code {self.process.returncode}; "
                                    f"log tail:\n{self.log_tail()}")
             try:
-                status, body = _http("GET", self.url + "/readiness", timeout=2, api_key=self.api_key)
+                status, body = http_request("GET", self.url + "/readiness", timeout=2, api_key=self.api_key)
                 if workers == 0:
                     return
                 healthy = json.loads(body).get("healthy_workers", 0) if body else 0
@@ -172,7 +172,7 @@ class Router:
     def workers(self) -> list[dict]:
         """``GET /workers``: the router's worker records (``url``, ``id``, health, ...); [] if unreachable."""
         try:
-            status, body = _http("GET", self.url + "/workers", timeout=5, api_key=self.api_key)
+            status, body = http_request("GET", self.url + "/workers", timeout=5, api_key=self.api_key)
         except OSError:
             return []
         if status != 200:
@@ -188,7 +188,7 @@ class Router:
     def add_worker(self, url: str, timeout: float | None = None) -> None:
         """Register a worker and wait until the router reports it healthy."""
         record = {"url": url, "api_key": self.api_key} if self.api_key else {"url": url}
-        status, body = _http("POST", self.url + "/workers", record, api_key=self.api_key)
+        status, body = http_request("POST", self.url + "/workers", record, api_key=self.api_key)
         if status >= 300:
             raise RuntimeError(f"router refused worker {url}: HTTP {status} {body[:200]!r}")
         self.worker_urls.append(url)
@@ -199,7 +199,7 @@ class Router:
         ids = [r.get("id") for r in self.workers() if r["url"] == url]
         if not ids:
             raise ValueError(f"{url} is not a worker of the router at {self.url}; it has {self.list_workers()}")
-        status, body = _http("DELETE", f"{self.url}/workers/{ids[0]}", api_key=self.api_key)
+        status, body = http_request("DELETE", f"{self.url}/workers/{ids[0]}", api_key=self.api_key)
         if status >= 300:
             raise RuntimeError(f"router refused to remove worker {url}: HTTP {status} {body[:200]!r}")
         deadline = time.time() + timeout
@@ -209,6 +209,12 @@ class Router:
             time.sleep(0.1)
         if url in self.worker_urls:
             self.worker_urls.remove(url)
+
+    def restart(self) -> Router:
+        """Start the router again on the same port with the current workers (after its process died), so
+        clients keep their URL."""
+        self.stop()
+        return self.start()
 
     def stop(self) -> None:
         stop_process_group(self.process, getattr(self, "_log", None))

@@ -120,6 +120,10 @@ class SGLangEngineActor:
     def __init__(self, config_dict: dict, index: int, host: str = "127.0.0.1", api_key: str | None = None,
                  log_dir: str | None = None):
         self.config = Config.from_dict(config_dict)
+        if host == "node":  # a run spanning nodes: bind this node's own address
+            import ray
+
+            host = ray.util.get_node_ip_address()
         self.index, self.host, self.api_key = index, host, api_key
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="slimecore-sglang-")) / f"engine-{index}.log"
         self.process: subprocess.Popen | None = None
@@ -143,7 +147,7 @@ class SGLangEngineActor:
         return self.url
 
     def _wait_healthy(self, timeout: float) -> None:
-        from slimecore.engines.router import _http
+        from slimecore.engines.router import http_request
 
         deadline = time.time() + timeout
         last = "no answer yet"
@@ -152,7 +156,7 @@ class SGLangEngineActor:
                 raise RuntimeError(f"SGLang engine {self.index} exited with code {self.process.returncode} before "
                                    f"it served {self.url}; log {self.log_path}, tail:\n{self.log_tail()}")
             try:
-                status, _ = _http("GET", self.url + "/health_generate", timeout=30, api_key=self.api_key)
+                status, _ = http_request("GET", self.url + "/health_generate", timeout=30, api_key=self.api_key)
                 if status == 200:
                     return
                 last = f"HTTP {status}"
@@ -170,12 +174,12 @@ class SGLangEngineActor:
 
     def health(self, timeout: float = 5) -> bool:
         """``/health_generate`` answers 200 within ``timeout`` seconds."""
-        from slimecore.engines.router import _http
+        from slimecore.engines.router import http_request
 
         if self.process is None or self.process.poll() is not None:
             return False
         try:
-            return _http("GET", self.url + "/health_generate", timeout=timeout, api_key=self.api_key)[0] == 200
+            return http_request("GET", self.url + "/health_generate", timeout=timeout, api_key=self.api_key)[0] == 200
         except OSError:
             return False
 

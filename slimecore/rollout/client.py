@@ -30,6 +30,10 @@ class EngineError(RuntimeError):
     """An engine or the router answered with an error, or could not be reached after retries."""
 
 
+class EngineUnreachable(EngineError):
+    """No answer but connection errors, timeouts or 5xx, after every retry."""
+
+
 def _decode(text: str) -> Any:
     if not text:
         return None
@@ -54,6 +58,7 @@ class RolloutClient:
         self.policy_version = 0  # the weight version the engines serve; the manager sets it after each update
         self.tokenizer = tokenizer
         self.timeout, self.max_retries = timeout, max_retries
+        self.retries = 0  # requests sent again after a connection error or a 5xx, since the client was made
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
 
     def _session(self) -> aiohttp.ClientSession:
@@ -69,14 +74,16 @@ class RolloutClient:
             self._sessions[loop] = session
         return session
 
-    async def _request(self, method: str, url: str, body: Any = None, retries: int | None = None) -> Any:
+    async def _request(self, method: str, url: str, body: Any = None, retries: int | None = None,
+                       timeout: float | None = None) -> Any:
         """The decoded JSON of a 2xx answer (its text if it is not JSON, as /flush_cache answers; None when
         empty); see the module docstring for errors."""
         retries = self.max_retries if retries is None else retries
         last = ""
         for attempt in range(retries + 1):
             try:
-                async with self._session().request(method, url, json=body) as response:
+                options = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
+                async with self._session().request(method, url, json=body, **options) as response:
                     text = await response.text()
                     if response.status < 300:
                         return _decode(text)
@@ -86,8 +93,9 @@ class RolloutClient:
             except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
                 last = f"{type(exc).__name__}: {exc}"
             if attempt < retries:
+                self.retries += 1
                 await asyncio.sleep(min(10.0, 0.2 * 2**attempt) * (1 + random.random() * 0.1))
-        raise EngineError(f"{method} {url} failed after {retries + 1} attempts; last error: {last}")
+        raise EngineUnreachable(f"{method} {url} failed after {retries + 1} attempts; last error: {last}")
 
     async def generate(self, input_ids: Sequence[int] | None = None, sampling_params: dict | None = None, *,
                        text: str | None = None, return_logprob: bool = True, rid: str | None = None,
@@ -125,15 +133,23 @@ class RolloutClient:
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
-            await asyncio.gather(*(self._request("POST", u + "/abort_request", {"abort_all": True}) for u in urls))
-            loads = await asyncio.gather(*(self._request("GET", u + "/v1/loads?include=core") for u in urls))
-            busy = {u: sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in data["loads"])
-                    for u, data in zip(urls, loads)}
+            busy = dict(zip(urls, await asyncio.gather(*(self._abort_on(u) for u in urls))))
             if not any(busy.values()):
                 return
             if loop.time() > deadline:
                 raise EngineError(f"engines still busy {timeout:.0f}s after abort_all: {busy}")
             await asyncio.sleep(poll)
+
+    async def _abort_on(self, url: str, timeout: float = 10) -> int:
+        """Abort everything on one worker; return how many requests it still runs or queues. A worker that
+        does not answer within ``timeout`` (dead or hung) counts as idle: the requests it held fail with it,
+        and the fault monitor (slimecore.engines.fleet) replaces it."""
+        try:
+            await self._request("POST", url + "/abort_request", {"abort_all": True}, retries=0, timeout=timeout)
+            data = await self._request("GET", url + "/v1/loads?include=core", retries=0, timeout=timeout)
+        except EngineUnreachable:
+            return 0
+        return sum(x["num_running_reqs"] + x["num_waiting_reqs"] for x in data["loads"])
 
     async def flush_cache(self, timeout: float = 60, poll: float = 0.5) -> None:
         """Flush every engine's cache. An engine answers 400 while requests run; keep asking until it is

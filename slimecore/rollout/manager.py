@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import statistics
 import time
 from pathlib import Path
@@ -37,29 +38,44 @@ class RolloutManager:
         self.tokenizer = load_tokenizer(config.hf_checkpoint)
         self.data_source = self.hooks.data_source(config=config, tokenizer=self.tokenizer, hooks=self.hooks)
         self.loop = asyncio.new_event_loop()
-        self.engines, self.router, self.client = [], None, None
+        self.fleet, self.router, self.client = None, None, None
         self._states: dict[int, dict] = {}  # data-source state after each generated step (for checkpoints)
         self._eval_sources: dict[str, object] = {}
+        self._retries_logged = 0
         if not (config.debug_train_only or config.load_debug_rollout_data):
             self._start_engines(placement_group, engine_bundles)
 
     # -- engines ---------------------------------------------------------------------------
     def _start_engines(self, placement_group, engine_bundles) -> None:
+        from slimecore.engines.fleet import EngineFleet
         from slimecore.engines.launch import EngineLauncher
         from slimecore.engines.router import Router
         from slimecore.rollout.client import RolloutClient
 
         c = self.config
-        host, self.api_key = engine_host(c)
+        engine_bind, router_bind, self.api_key = engine_hosts(c, placement_group)
         if c.sglang_args and c.rollout_engine != "sglang":
             log.warning("--sglang-* arguments %s apply to --rollout-engine sglang only; the embedded engine "
                         "ignores them", sorted(c.sglang_args))
-        self.launcher = EngineLauncher(c, placement_group, engine_bundles, host=host, api_key=self.api_key,
+        self.launcher = EngineLauncher(c, placement_group, engine_bundles, host=engine_bind, api_key=self.api_key,
                                        log_dir=str(Path(c.log_dir) / "engines") if c.log_dir else None)
-        self.engines = self.launcher.start()
-        self.router = Router([url for _, url in self.engines], host=host, api_key=self.api_key)
-        self.router.start()
-        self.client = RolloutClient(self.router.url, tokenizer=self.tokenizer, api_key=self.api_key)
+        self.fleet = EngineFleet(self.launcher, self.launcher.count, Router([], host=router_bind, api_key=self.api_key),
+                                 health_check=c.use_fault_tolerance,
+                                 check_interval=c.rollout_health_check_interval,
+                                 check_timeout=c.rollout_health_check_timeout,
+                                 first_wait=c.rollout_health_check_first_wait).start()
+        self.router = self.fleet.router
+        # a request cut off by a dying engine or router is retried until the monitor can have found and replaced
+        # it: the client's backoff doubles from 0.2 s to 10 s, so 6 retries span 12 s and each further one 10 s
+        repair = c.rollout_health_check_interval + c.rollout_health_check_timeout + 60
+        retries = 6 + math.ceil(repair / 10)
+        self.client = RolloutClient(self.router.url, tokenizer=self.tokenizer, api_key=self.api_key,
+                                    max_retries=retries if c.use_fault_tolerance else 5)
+
+    @property
+    def engines(self) -> list:
+        """``[(handle, url), ...]`` of the engines serving now (a replaced engine has a new handle and URL)."""
+        return self.fleet.engines if self.fleet else []
 
     def engine_urls(self) -> list[str]:
         return [url for _, url in self.engines]
@@ -94,11 +110,7 @@ class RolloutManager:
         engine fetches it once), or, for disk transport, a safetensors directory. Returns seconds taken."""
         start = time.perf_counter()
         self.pause_for_update()
-        if isinstance(weights, (str, Path)):
-            self.loop.run_until_complete(self.client.update_weights_from_disk(str(weights), str(version)))
-        else:
-            ray_get([engine.load_weights.remote(weights[0], str(version)) for engine, _ in self.engines],
-                    f"engines to load weights v{version}", self.config.ray_timeout)
+        self.fleet.update_weights(weights, str(version), self.config.ray_timeout)
         self.resume_after_update(version)
         return time.perf_counter() - start
 
@@ -122,6 +134,7 @@ class RolloutManager:
         for old in [k for k in self._states if k < rollout_id - 2]:
             del self._states[old]
         metrics.update(rollout_metrics(samples, time.perf_counter() - start, c.reward_key))
+        metrics.update(self._fault_metrics())
         metrics.update({"timeline/rollout_start": wall_start, "timeline/rollout_end": time.time()})
         if c.save_debug_rollout_data:
             self._save_debug(rollout_id, samples)
@@ -129,6 +142,14 @@ class RolloutManager:
         if c.debug_rollout_only:
             return None, metrics
         return self._to_train_refs(samples, dp_size), metrics
+
+    def _fault_metrics(self) -> dict[str, float]:
+        """Engine and router restarts and retried requests since the last step (slimecore.engines.fleet)."""
+        if self.fleet is None:
+            return {}
+        self.fleet.check()
+        retries, self._retries_logged = self.client.retries - self._retries_logged, self.client.retries
+        return {**self.fleet.metrics(), "rollout/request_retries": float(retries)}
 
     def _to_train_refs(self, samples: list[Sample], dp_size: int) -> list:
         from slimecore.trainers.schedule import split_rollout_data
@@ -188,22 +209,25 @@ class RolloutManager:
         self.hooks.shutdown(config=self.config, process="rollout")
         if self.client:
             self.loop.run_until_complete(self.client.close())
-        if self.router:
-            self.router.stop()
-        for engine, _ in self.engines:
-            self.launcher.stop(engine)
+        if self.fleet:
+            self.fleet.stop()
 
 
-def engine_host(config: Config) -> tuple[str, str | None]:
-    """(address engines and router bind, API key). One node: 127.0.0.1 and no key. Reachable from other
-    nodes (a multi-node cluster, or ``--rollout-host``): the node address and a fresh per-run key that every
-    engine and router request must carry."""
+def engine_hosts(config: Config, placement_group) -> tuple[str, str, str | None]:
+    """(address engines bind, address the router binds, API key). One node: 127.0.0.1 and no key. Reachable
+    from other nodes (a run spanning nodes, or ``--rollout-host``): each engine binds its own node's address
+    (``"node"``), the router this node's, and a fresh per-run key guards every engine and router request."""
     import secrets
 
-    from slimecore.raytools import is_multi_node
+    from slimecore.raytools import is_multi_node, spans_nodes
 
-    host = config.rollout_host or (ray.util.get_node_ip_address() if is_multi_node() else "127.0.0.1")
-    return host, None if host in ("127.0.0.1", "localhost") else secrets.token_urlsafe(32)
+    if config.rollout_host:
+        engine_bind = router_bind = config.rollout_host
+    elif spans_nodes(placement_group) or is_multi_node():
+        engine_bind, router_bind = "node", ray.util.get_node_ip_address()
+    else:
+        return "127.0.0.1", "127.0.0.1", None
+    return engine_bind, router_bind, None if router_bind in ("127.0.0.1", "localhost") else secrets.token_urlsafe(32)
 
 
 def convert_samples(hooks, config: Config, samples: list[Sample]) -> dict:

@@ -1,0 +1,88 @@
+"""Test plugin: breaks an engine or the router in the middle of a rollout, as a crash, a hang or an OOM
+killer would, from inside the rollout process of a real run.
+
+``--fault-at STEP:KIND ...`` with KIND ``engine-kill`` (SIGKILL the first engine the router lists),
+``engine-stop`` (SIGSTOP it: alive but hung) or ``router-kill`` (SIGKILL the sglang-router). At that step
+the first sample's generate waits a moment, so that the other samples' requests are in flight, injects the
+fault, then generates as the built-in hook does. ``--fault-log FILE`` gets one JSON line per fault and per
+generated sample (its step and the weight versions that produced it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import urllib.request
+
+import psutil
+
+from slimecore import hookimpl
+from slimecore.config import Option
+from slimecore.defaults import rollout as builtin
+
+_injected: set[int] = set()
+_step = 0  # the step being generated
+
+
+@hookimpl
+def slime_options():
+    return [Option("fault_at", str, [], "STEP:KIND faults to inject (engine-kill, engine-stop, router-kill).",
+                   nargs="*"),
+            Option("fault_log", str, None, "JSON-lines file of injected faults and generated samples.")]
+
+
+def _log(config, record: dict) -> None:
+    with open(config.plugin("fault_plugin").fault_log, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def _router() -> psutil.Process:
+    """The router: the child process of this (the rollout manager's) that listens on the client's port."""
+    return next(p for p in psutil.Process().children() if "router" in " ".join(p.cmdline()))
+
+
+def _live_engine_pid(router_url: str) -> tuple[int, str]:
+    """The first engine the router lists that is running (a killed one may still be listed for a moment)."""
+    with urllib.request.urlopen(f"{router_url}/workers", timeout=10) as response:
+        data = json.loads(response.read())
+    listening = {c.laddr.port: c.pid for c in psutil.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+    for url in sorted(w["url"] for w in data["workers"]):
+        pid = listening.get(int(url.rsplit(":", 1)[1]))
+        if pid is not None and psutil.Process(pid).status() != psutil.STATUS_STOPPED:
+            return pid, url
+    raise RuntimeError(f"no running engine among the router's workers {data['workers']}")
+
+
+def _inject(config, rollout_id: int, kind: str, router_url: str) -> None:
+    if kind == "router-kill":
+        pid, target = _router().pid, "router"
+        os.kill(pid, signal.SIGKILL)
+    else:
+        pid, target = _live_engine_pid(router_url)
+        os.kill(pid, signal.SIGKILL if kind == "engine-kill" else signal.SIGSTOP)
+    _log(config, {"fault": kind, "rollout_id": rollout_id, "pid": pid, "target": target})
+
+
+@hookimpl
+def slime_log_rollout(config, rollout_id):
+    global _step
+    _step = rollout_id + 1  # the next generate calls belong to the next step (the sync loop, no eval)
+
+
+@hookimpl
+def slime_process_sample(config, sample, rollout_id, evaluation):
+    if config.plugin("fault_plugin").fault_log:
+        _log(config, {"rollout_id": rollout_id, "weight_versions": list(sample.weight_versions)})
+
+
+@hookimpl
+async def slime_generate(config, sample, sampling_params, client, evaluation, hooks):
+    faults = dict(item.split(":") for item in config.plugin("fault_plugin").fault_at)
+    if not evaluation and str(_step) in faults and _step not in _injected:
+        _injected.add(_step)
+        await asyncio.sleep(0.05)  # the other samples' requests are sent meanwhile
+        _inject(config, _step, faults[str(_step)], client.url)
+    return await builtin.slime_generate(config=config, sample=sample, sampling_params=sampling_params, client=client,
+                                          hooks=hooks)
