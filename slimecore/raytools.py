@@ -56,6 +56,9 @@ def create_placement(config: Config, roles: list[str] = ("actor",)):
         bundles = [{"CPU": c.num_cpus_per_actor}] * (n_train * len(roles) + n_engines)
         train = {role: list(range(k * n_train, (k + 1) * n_train)) for k, role in enumerate(roles)}
         engines = list(range(n_train * len(roles), len(bundles)))
+    from slimecore.preflight import check_placement
+
+    check_placement(bundles, f"{n_train} train rank(s) x {len(roles)} role(s) and {n_engines} engine(s)")
     pg = placement_group(bundles, strategy="PACK")
     ray_get(pg.ready(), f"a placement group of {len(bundles)} bundles {bundles[:1]} (is the cluster big enough? "
             "lower --num-cpus-per-actor or the number of ranks/engines)", min(c.ray_timeout, 120))
