@@ -36,8 +36,9 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
         raise ConfigError(f"slime_train_roles returned unknown role(s) {sorted(set(extra_roles) - {'critic'})}; the "
                           "core places 'actor' and 'critic' (a value model)")
     check_before_ray(config, hooks)
-    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt)
     init_ray(config)
+    # after ray.init, whose driver installs its own SIGTERM handler (it aborts the process, leaving actors behind)
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) or signal.SIG_DFL
     tracker = Tracker(config, [f"{p.name} ({p.origin})" for p in hooks.plugins])
     wait = config.ray_timeout
     pg, train_bundles, engine_bundles = create_placement(config, ["actor", *extra_roles])
