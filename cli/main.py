@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import signal
 import sys
 
 import click
@@ -73,10 +74,41 @@ def train(ctx):
     if config.train_iters is None and config.num_rollout:
         config.train_iters = config.num_rollout * config.rollout_batch_size * config.n_samples_per_prompt \
             // config.global_batch_size
+    _set_log_level(config.log_level)
     hooks.startup(config=config, process="driver")
     from slimecore.loop import run
 
-    run(config, hooks, on_step=_print_step)
+    try:
+        run(config, hooks, on_step=_print_step)
+    except KeyboardInterrupt as exc:
+        name = str(exc) or "SIGINT"
+        console.print(f"[bold red]interrupted ({name}):[/] the step in flight was abandoned; engines, router and "
+                      "actors were stopped" + (f"; resume with --load {config.save}" if config.save else ""))
+        sys.exit(128 + getattr(signal, name, signal.SIGINT))
+    except Exception as exc:
+        _report(exc, config.log_level == "debug")
+
+
+def _set_log_level(level: str) -> None:
+    import logging
+
+    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
+
+
+def _report(exc: Exception, debug: bool) -> None:
+    """The error that stopped a run, once: its original message and where it came from (plugin, hook, process);
+    the traceback only under --log-level debug."""
+    from slimecore.errors import describe, format_exception
+    from slimecore.plugins import HookCallError
+
+    failure = describe(exc)
+    if debug:
+        console.print(escape(failure.remote_traceback or format_exception(exc)), highlight=False)
+    console.print(f"[bold red]error:[/] {escape(failure.text())}", highlight=False)
+    if not debug:
+        console.print("(--log-level debug prints the traceback)", style="dim")
+    startup = isinstance(exc, (ConfigError, PluginError)) and not isinstance(exc, HookCallError)
+    sys.exit(2 if startup else 1)  # 2: the run was refused before it started, as for a bad flag
 
 
 def _normalized_plugin_args(argv: list[str]) -> list[str]:

@@ -1,11 +1,13 @@
 """Checkpoints: ``{save}/iter_{N:07d}/`` holds the trainer state (model as HF safetensors, optimizer,
-RNG) and the rollout state (data-source position and buffer, weight version). The marker file
-``latest_checkpointed_iteration.txt`` is written last, atomically, so a run killed mid-save resumes
-from the previous complete checkpoint.
+RNG) and the rollout state (data-source position and buffer, weight version). ``rollout_state.pt`` is
+written after every role's state and the marker file ``latest_checkpointed_iteration.txt`` last, each
+atomically (temp file + rename), so an iteration directory with ``rollout_state.pt`` is complete. ``--load``
+takes the newest complete one and says so when it skips one a killed run left half-written.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -14,20 +16,20 @@ import torch
 from slimecore.raytools import ray_get
 
 MARKER = "latest_checkpointed_iteration.txt"
+COMPLETE = "rollout_state.pt"  # written after every role's state: its presence marks a complete iteration
+log = logging.getLogger("slimecore.checkpoint")
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``path`` so that a reader sees the old file or the whole new one, never a part (temp + rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def iteration_dir(root: str | Path, rollout_id: int) -> Path:
     return Path(root) / f"iter_{rollout_id:07d}"
-
-
-def latest_iteration(root: str | Path) -> int | None:
-    marker = Path(root) / MARKER
-    if not marker.is_file():
-        return None
-    text = marker.read_text().strip()
-    if not text.isdigit():
-        raise ValueError(f"{marker}: expected an iteration number, found {text!r}; fix or delete the file")
-    return int(text)
 
 
 def save(config, rollout_id: int, policy_version: int, train_groups: dict, rollout_manager) -> Path:
@@ -38,23 +40,36 @@ def save(config, rollout_id: int, policy_version: int, train_groups: dict, rollo
         group.save(str(directory / role))
     data_state = ray_get(rollout_manager.data_state.remote(rollout_id), "the rollout manager's data state",
                          config.ray_timeout)
-    tmp = directory / "rollout_state.pt.tmp"
+    tmp = directory / f"{COMPLETE}.tmp"
     torch.save({"rollout_id": rollout_id, "data_state": data_state, "policy_version": policy_version}, tmp)
-    os.replace(tmp, directory / "rollout_state.pt")
-    marker_tmp = Path(config.save) / (MARKER + ".tmp")
-    marker_tmp.write_text(str(rollout_id))
-    os.replace(marker_tmp, Path(config.save) / MARKER)
+    os.replace(tmp, directory / COMPLETE)
+    atomic_write_text(Path(config.save) / MARKER, str(rollout_id))
     return directory
+
+
+def latest_complete(root: str | Path) -> int:
+    """The newest complete iteration under ``root``; one left half-written by a killed save is skipped, with a
+    warning naming it."""
+    root = Path(root)
+    found = sorted(int(p.name[5:]) for p in root.glob("iter_*") if p.name[5:].isdigit())
+    complete = [n for n in found if (iteration_dir(root, n) / COMPLETE).is_file()]
+    if not complete:
+        raise FileNotFoundError(f"--load {root}: no complete checkpoint there (no iter_*/{COMPLETE}"
+                                + (f"; {len(found)} incomplete iteration(s) from an interrupted save" if found else "")
+                                + "); point --load at a directory written by --save, or drop --load to start fresh")
+    skipped = [n for n in found if n > complete[-1]]
+    if skipped:
+        log.warning("--load %s: %s is incomplete (a save was interrupted); resuming from %s, the last complete "
+                    "checkpoint", root, ", ".join(iteration_dir(root, n).name for n in skipped),
+                    iteration_dir(root, complete[-1]).name)
+    return complete[-1]
 
 
 def load(config, train_groups: dict, rollout_manager) -> tuple[int, int]:
     """Restore the last checkpoint under ``--load``; return (first rollout id to run, policy version)."""
-    last = latest_iteration(config.load)
-    if last is None:
-        raise FileNotFoundError(f"--load {config.load}: no {MARKER} there; point --load at a directory written by "
-                                "--save, or drop --load to start fresh")
+    last = latest_complete(config.load)
     directory = iteration_dir(config.load, last)
-    state = torch.load(directory / "rollout_state.pt", weights_only=False)
+    state = torch.load(directory / COMPLETE, weights_only=False)
     for role, group in train_groups.items():
         if not (directory / role).is_dir():
             raise FileNotFoundError(f"--load {config.load}: {directory} has no {role}/ checkpoint; it was saved by a "
@@ -65,4 +80,4 @@ def load(config, train_groups: dict, rollout_manager) -> tuple[int, int]:
     return last + 1, state["policy_version"]
 
 
-__all__ = ["save", "load", "latest_iteration", "iteration_dir"]
+__all__ = ["save", "load", "latest_complete", "iteration_dir", "atomic_write_text"]

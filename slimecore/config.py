@@ -164,6 +164,15 @@ CORE_OPTIONS: list[Option] = [
     _O("reward_key", str, None, "Key of a dict reward to train on.", group="rollout"),
     _O("group_rm", bool, False, "Score each group with slime_group_reward instead of per sample.", group="rollout"),
     _O("rollout_timeout", float, 3600.0, "Seconds one rollout step may take.", group="rollout"),
+    # -- bounds on what a plugin's hook or a filter may cost a step
+    _O("reward_timeout", float, 600.0, "Seconds one sample's reward hook may take; past it the sample is FAILED "
+       "(counted, not trained).", group="rollout"),
+    _O("generate_timeout", float, None, "Seconds one sample's generate hook may take before the step fails naming "
+       "the plugin (default: --rollout-timeout bounds the whole step).", group="rollout"),
+    _O("max_reward_failure_fraction", float, 0.5, "Stop the run when more than this fraction of a step's samples "
+       "failed (reward hook raised, timed out or returned NaN); 1 never stops.", group="rollout"),
+    _O("max_filter_rounds", int, 50, "Over-sampling rounds one step may take while group filters drop groups; then "
+       "the run stops naming the filters and their drop reasons.", group="rollout"),
     # -- eval
     _O("eval_prompt_data", str, None, "Eval datasets as NAME PATH pairs (PATH may be task:NAME).", nargs="+", group="eval"),
     _O("eval_config", str, None, "Eval YAML: data sets with their own rm_type, sampling and keys (see "
@@ -230,6 +239,8 @@ CORE_OPTIONS: list[Option] = [
     _O("wandb_project", str, "slime-core", "W&B project.", group="logging"),
     _O("wandb_group", str, None, "W&B group.", group="logging"),
     _O("wandb_mode", str, None, "W&B mode (online/offline/disabled).", group="logging"),
+    _O("log_level", str, "info", "Log level of the driver; debug also prints the traceback of the error that "
+       "stopped a run.", choices=("debug", "info", "warning", "error"), group="logging"),
     # -- debug
     _O("debug_rollout_only", bool, False, "Generate and score only; no training.", group="debug"),
     _O("debug_train_only", bool, False, "Train only, with no inference engines: the data source and the rollout "
@@ -562,10 +573,19 @@ def validate_core(config: Config) -> None:
     if c.rollout_batch_size is None and not c.debug_train_only:
         raise ConfigError("--rollout-batch-size is required (prompts per rollout step)")
     for name in ("rollout_batch_size", "n_samples_per_prompt", "global_batch_size", "micro_batch_size",
-                 "actor_num_gpus_per_node", "rollout_num_gpus_per_engine", "num_steps_per_rollout"):
+                 "actor_num_gpus_per_node", "rollout_num_gpus_per_engine", "num_steps_per_rollout",
+                 "max_filter_rounds"):
         value = getattr(c, name)
         if value is not None and value < 1:
             raise ConfigError(f"{CORE_BY_NAME[name].flag} must be >= 1, got {value}")
+    if c.num_rollout is not None and c.num_rollout < 1:
+        raise ConfigError(f"--num-rollout must be >= 1 (steps to run), got {c.num_rollout}; omit it to run "
+                          "--num-epoch epochs over the prompts")
+    for name in ("reward_timeout", "generate_timeout"):
+        if getattr(c, name) is not None and getattr(c, name) <= 0:
+            raise ConfigError(f"{CORE_BY_NAME[name].flag} must be > 0 seconds, got {getattr(c, name)}")
+    if not 0 <= c.max_reward_failure_fraction <= 1:
+        raise ConfigError(f"--max-reward-failure-fraction must be within [0, 1], got {c.max_reward_failure_fraction}")
     if c.rollout_temperature <= 0:
         raise ConfigError(f"--rollout-temperature must be > 0 (got {c.rollout_temperature}); the trainer divides logits by it")
     if c.rollout_batch_size:

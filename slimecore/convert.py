@@ -211,7 +211,12 @@ def _parallel_config(hf_dir: Path, tp: int, pp: int, ep: int) -> Config:
 
 
 def _world() -> tuple[int, int]:
-    """(rank, world size): torchrun's environment, else one process."""
+    """(rank, world size): the process group already set up (e.g. by a test's ranks), else torchrun's
+    environment, else one process."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
 
@@ -262,6 +267,10 @@ def hf_to_megatron(hf_dir: str | Path, save: str | Path, hooks, preset: str | No
     dist_checkpointing.save(model_sharded_state_dict(chunks), str(save / "torch_dist"))
     if rank == 0:
         write_checkpoint_meta(save, bridge, config, iteration=0, optimizer=False, hf_checkpoint=str(Path(hf_dir)))
+    if world > 1:  # no rank returns (and e.g. reads the metadata back) before rank 0 has written it
+        import torch.distributed as dist
+
+        dist.barrier()
     return save
 
 

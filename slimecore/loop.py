@@ -7,6 +7,7 @@ timeout whose error says what was being waited for.
 from __future__ import annotations
 
 import logging
+import signal
 import time
 from typing import Callable
 
@@ -16,6 +17,7 @@ import ray.util
 from slimecore import checkpoint, weight_updates
 from slimecore.config import Config, ConfigError
 from slimecore.plugins import Hooks
+from slimecore.preflight import check_before_ray, release_log_dir
 from slimecore.raytools import create_placement, init_ray, ray_get
 from slimecore.rollout.manager import RolloutManager
 from slimecore.tracking import Tracker
@@ -31,7 +33,10 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
     if set(extra_roles) - {"critic"}:
         raise ConfigError(f"slime_train_roles returned unknown role(s) {sorted(set(extra_roles) - {'critic'})}; the "
                           "core places 'actor' and 'critic' (a value model)")
+    check_before_ray(config, hooks)
     init_ray(config)
+    # after ray.init, whose driver installs its own SIGTERM handler (it aborts the process, leaving actors behind)
+    previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) or signal.SIG_DFL
     tracker = Tracker(config, [f"{p.name} ({p.origin})" for p in hooks.plugins])
     wait = config.ray_timeout
     pg, train_bundles, engine_bundles = create_placement(config, ["actor", *extra_roles])
@@ -65,6 +70,7 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
         return ray_get(rollout.eval.remote(rollout_id), f"eval at step {rollout_id}", wait)
 
     history: list[dict] = []
+    interrupted = False
     try:
         sync_weights()  # engines start from the checkpoint on disk; make them serve the trainer's weights
         if start == 0 and not config.skip_eval_before_train and (config.eval_prompt_data or config.eval_config):
@@ -114,11 +120,28 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
             history.append(metrics)
             if on_step:
                 on_step(rollout_id, num_rollout, metrics)
+    except KeyboardInterrupt:  # SIGINT, or SIGTERM through _interrupt
+        interrupted = True
+        raise
     finally:
-        for group in groups.values():
-            group.shutdown()
-        ray_get(rollout.shutdown.remote(), "the rollout manager to shut down", wait)
+        signal.signal(signal.SIGTERM, previous_sigterm)
+        if interrupted:  # abandon the step in flight: the actors may be busy with it, so they are killed, not asked
+            for actor in [rollout, *(a for group in groups.values() for a in group.actors)]:
+                ray.kill(actor)  # engines are owned by the manager and die with it, the router with its process
+        else:
+            for group in groups.values():
+                group.shutdown()
+            ray_get(rollout.shutdown.remote(), "the rollout manager to shut down", wait)
         ray.util.remove_placement_group(pg)
         hooks.shutdown(config=config, process="driver")
         tracker.close()
+        release_log_dir(config.log_dir)
     return history
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """SIGTERM: handled like Ctrl-C (SIGINT), so the run ends the same way."""
+
+
+def _interrupt(signum, frame):
+    raise RunInterrupted(signal.Signals(signum).name)

@@ -272,6 +272,12 @@ class Hooks:
         call.__doc__ = spec_fn.__doc__
         return call
 
+    def answers(self, hook: str, **kwargs) -> list[tuple[str, Any]]:
+        """``(plugin name, answer)`` of every implementation of an all-answers hook, in call order, None skipped:
+        for a caller that must say which plugin answered what."""
+        return [(self.plugin_name(impl), answer) for impl in self.implementers(hook)
+                if (answer := self._invoke(hook, impl, kwargs)) is not None]
+
     def train_inputs(self, **kwargs) -> set[str]:
         """Union of the extra inputs every active plugin's loss needs."""
         return {item for items in self.__getattr__("train_inputs")(**kwargs) for item in items}
@@ -345,7 +351,22 @@ class HookCallError(PluginError):
 
     def __init__(self, plugin: str, hook: str, exc: BaseException):
         self.plugin, self.hook, self.original = plugin, hook, exc
-        super().__init__(f"plugin {plugin!r} raised in {hook}: {type(exc).__name__}: {exc}")
+        self.cause_kind, self.cause_text = type(exc).__name__, str(exc)
+        self.cause_traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        super().__init__(f"plugin {plugin!r} raised in {hook}: {self.cause_kind}: {self.cause_text}")
+
+    def __reduce__(self):
+        # crosses Ray pickled; the plugin's own exception may not pickle, so it travels as text
+        return _restore_hook_call_error, (self.plugin, self.hook, self.cause_kind, self.cause_text,
+                                          self.cause_traceback)
+
+
+def _restore_hook_call_error(plugin: str, hook: str, kind: str, text: str, trace: str) -> HookCallError:
+    error = HookCallError.__new__(HookCallError)
+    PluginError.__init__(error, f"plugin {plugin!r} raised in {hook}: {kind}: {text}")
+    error.plugin, error.hook, error.original = plugin, hook, None
+    error.cause_kind, error.cause_text, error.cause_traceback = kind, text, trace
+    return error
 
 
 def load_plugins(specs: Iterable[str], extra: Iterable[Any] = (), defaults: bool = True) -> Hooks:

@@ -88,6 +88,9 @@ def create_placement(config: Config, roles: list[str] = ("actor",)):
         bundles = [train_bundle] * (n_train * len(roles)) + [engine_bundle] * n_engines
         train = {role: list(range(k * n_train, (k + 1) * n_train)) for k, role in enumerate(roles)}
         engines = list(range(n_train * len(roles), len(bundles)))
+    from slimecore.preflight import check_placement
+
+    check_placement(bundles, f"{n_train} train rank(s) x {len(roles)} role(s) and {n_engines} engine(s)")
     pg = placement_group(bundles, strategy="PACK")
     _wait_placement(pg, bundles, c)
     nodes = bundle_nodes(pg)

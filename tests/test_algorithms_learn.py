@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from slimecore.testing import timeout as scaled
 
 pytest.importorskip("slime_ppo", reason="the algorithm plugins are installed by scripts/setup.sh")
 REWARD = str(Path(__file__).with_name("digits_reward_plugin.py"))
@@ -39,7 +40,7 @@ def test_algorithm_raises_the_reward(name, tiny_checkpoint, tmp_path):
             "--hf-checkpoint", str(tiny_checkpoint), "--task", "compare", "--apply-chat-template",
             "--rollout-batch-size", "4", "--n-samples-per-prompt", "8", "--rollout-max-response-len", "4",
             "--lr", "1e-2", "--num-rollout", "20", "--log-dir", str(log_dir), "--no-use-tensorboard"]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=400)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=scaled(400))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     steps = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     rewards = [m["rollout/raw_reward"] for m in steps]

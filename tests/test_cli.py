@@ -8,6 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from slimecore_cli.main import cli
+from slimecore.testing import timeout as scaled
 
 
 def run(*args):
@@ -57,7 +58,7 @@ def test_data_writes_a_task_file(tmp_path):
 ])
 def test_train_startup_errors_exit_2_before_ray(args, expected):
     proc = subprocess.run([sys.executable, "-m", "slimecore_cli", "train", *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=scaled(120))
     assert proc.returncode == 2, proc.stderr
     assert expected in " ".join(proc.stderr.split())
     assert "Started a local Ray instance" not in proc.stderr

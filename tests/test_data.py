@@ -108,6 +108,9 @@ def test_missing_keys_name_the_line_the_keys_and_the_flag(tmp_path, tokenizer):
     ({"input": "a", "tools": {"name": "x"}}, "'tools' must be a list"),
     ({"input": 7}, "'input' must be a string or a list of chat messages, got a int"),
     ({"input": [{"role": "user", "content": "a"}]}, "list of chat messages; add --apply-chat-template"),
+    ({"input": [{"role": "usr", "content": "a"}]}, "message 1 has role 'usr'; chat messages need a role among system"),
+    ({"input": [{"role": "user"}]}, "message 1 (user) has no 'content'"),
+    ({"input": []}, "must be a string or a list of chat messages, got a list"),
 ])
 def test_bad_fields_are_reported(tmp_path, tokenizer, row, message):
     rows = read_rows(_jsonl(tmp_path / "d.jsonl", [row]))
@@ -154,7 +157,7 @@ def test_prompt_length_filter_is_counted_logged_and_exposed(tmp_path, tokenizer,
     assert source.num_filtered == 2 and len(source) == 2
     assert "dropped 2 of 4 prompts longer than --rollout-max-prompt-len 40" in caplog.text
     assert all(len(g[0].tokens) <= 40 for g in source.get_samples(2))
-    with pytest.raises(ValueError, match="all 4 prompts are longer than --rollout-max-prompt-len 0; raise it"):
+    with pytest.raises(ValueError, match="all 4 prompts are longer than --rollout-max-prompt-len 0 tokens; raise --rollout-max-prompt-len"):
         load_prompts(Config.make(prompt_data=spec, rollout_max_prompt_len=0), tokenizer, spec)
 
 

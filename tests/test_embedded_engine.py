@@ -13,6 +13,7 @@ from fixtures_engine import http_json
 
 from slimecore.engines.embedded import EmbeddedServer
 from slimecore.rollout.client import RolloutClient
+from slimecore.testing import timeout as scaled
 
 LONG = {"max_new_tokens": 400, "ignore_eos": True}
 
@@ -39,7 +40,7 @@ def assert_logprobs_match(server, prompt, out, temperature=1.0):
     assert (expected - torch.tensor([e[0] for e in entries])).abs().max().item() < 1e-4
 
 
-def wait_for(condition, timeout=30):
+def wait_for(condition, timeout=scaled(30)):
     deadline = time.time() + timeout
     while not condition():
         assert time.time() < deadline, "condition not reached"
@@ -344,15 +345,15 @@ def test_seeded_sampling_repeats_and_logit_adjustments_apply(embedded_engine):
 def test_engine_actor_under_ray(ray_session, tiny_checkpoint):
     from slimecore.engines.embedded import launch_embedded_engines
 
-    (actor, url), = launch_embedded_engines(1, str(tiny_checkpoint), num_cpus=0.5, timeout=120)
+    (actor, url), = launch_embedded_engines(1, str(tiny_checkpoint), num_cpus=0.5, timeout=scaled(120))
     try:
-        assert ray_session.get(actor.health.remote(), timeout=30) is True
+        assert ray_session.get(actor.health.remote(), timeout=scaled(30)) is True
         from transformers import AutoModelForCausalLM
 
         weights = {k: v * 2 for k, v in AutoModelForCausalLM.from_pretrained(tiny_checkpoint).state_dict().items()}
-        assert ray_session.get(actor.load_weights.remote(ray_session.put(weights), "2"), timeout=60) == "2"
+        assert ray_session.get(actor.load_weights.remote(ray_session.put(weights), "2"), timeout=scaled(60)) == "2"
         status, out = http_json("POST", url + "/generate", {"input_ids": [5], "sampling_params": {"max_new_tokens": 1}})
         assert status == 200 and out["meta_info"]["weight_version"] == "2"
-        ray_session.get(actor.shutdown.remote(), timeout=30)
+        ray_session.get(actor.shutdown.remote(), timeout=scaled(30))
     finally:
         ray_session.kill(actor)

@@ -11,19 +11,20 @@ import pytest
 import torch
 
 from slimecore.rollout.client import EngineError, RolloutClient
+from slimecore.testing import timeout as scaled
 
 
 def _post(url, body):
     req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(req, timeout=60) as r:
+        with urllib.request.urlopen(req, timeout=scaled(60)) as r:
             return r.status, json.loads(r.read() or b"null")
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read() or b"null")
 
 
 def _get(url):
-    with urllib.request.urlopen(url, timeout=30) as r:
+    with urllib.request.urlopen(url, timeout=scaled(30)) as r:
         return json.loads(r.read() or b"null")
 
 
@@ -210,7 +211,7 @@ def test_client_error_after_retries_names_url():
 def test_launch_embedded_engines_under_ray(ray_session, tiny_checkpoint):
     from slimecore.engines.embedded import launch_embedded_engines
 
-    (actor, url), = launch_embedded_engines(1, str(tiny_checkpoint), num_cpus=0.5, timeout=120)
+    (actor, url), = launch_embedded_engines(1, str(tiny_checkpoint), num_cpus=0.5, timeout=scaled(120))
     try:
         assert _get(url + "/model_info")["is_generation"] is True
         state = _get(url + "/model_info")

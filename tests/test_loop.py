@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from slimecore.testing import timeout as scaled
 
 pytest.importorskip("slime_grpo", reason="the grpo plugin is installed by scripts/setup.sh")
 
@@ -22,7 +23,7 @@ def _train_args(checkpoint: Path, log_dir: Path, *extra: str) -> list[str]:
             "--apply-chat-template", *extra]
 
 
-def _run(args: list[str], timeout: float = 240) -> None:
+def _run(args: list[str], timeout: float = scaled(240)) -> None:
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
@@ -143,7 +144,7 @@ def test_sigkill_then_resume_continues_with_the_same_prompts(tiny_checkpoint, tm
                        "--save-interval", "1", "--save-debug-rollout-data", str(run / "dump_{rollout_id}.pt"),
                        "--plugin", str(Path(__file__).parent / "kill_plugin.py"), "--kill-after-step", "1")
     proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    assert proc.wait(timeout=240) == -signal.SIGKILL
+    assert proc.wait(timeout=scaled(240)) == -signal.SIGKILL
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "1"
     # resume: continues at step 2 with exactly the prompts the uninterrupted run used
     _run(_train_args(tiny_checkpoint, run / "log2", "--num-rollout", "4", "--rollout-shuffle", "--load", str(save),

@@ -30,6 +30,7 @@ from slimecore.rewards.sympy_judge import JUDGE, is_safe
 from slimecore.rollout.client import RolloutClient
 from slimecore.rollout.manager import convert_samples
 from slimecore.types import Sample, Status
+from slimecore.testing import timeout as scaled
 
 # (gold, given, equivalent?) -- every verdict is also math-verify's (checked below when it is installed).
 # Where slime's grader differs: it rejects 2/4 for 1/2 and 6/2 for 3, and strips % (50\% != 0.5).
@@ -420,13 +421,13 @@ def slime_process_sample(config, sample):
 '''
 
 
-def _cli(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def _cli(*args: str, timeout: float = scaled(300)) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "slimecore_cli", "train", *args], capture_output=True, text=True,
                           timeout=timeout)
 
 
 def test_cli_rejects_a_bad_rm_type_before_ray():
-    proc = _cli("--plugin", "grpo", "--rollout-batch-size", "2", "--rm-type", "mathh", timeout=120)
+    proc = _cli("--plugin", "grpo", "--rollout-batch-size", "2", "--rm-type", "mathh", timeout=scaled(120))
     assert proc.returncode == 2 and "did you mean 'math'" in " ".join(proc.stderr.split()), proc.stderr[-3000:]
     assert "Started a local Ray instance" not in proc.stderr
 

@@ -11,6 +11,7 @@ from fixtures_engine import http_json
 
 from slimecore.engines.router import Router, free_port
 from slimecore.rollout.client import EngineError, RolloutClient
+from slimecore.testing import timeout as scaled
 
 
 def test_round_robin_over_two_engines_and_worker_urls(engines):
@@ -79,7 +80,7 @@ def test_abort_all_returns_partial_outputs_and_leaves_engines_idle(engines):
                      for _ in range(4)]
             while sum(s.loads()["num_running_reqs"] for s in servers) < 4:
                 await asyncio.sleep(0.01)
-            await client.abort_all(timeout=30)
+            await client.abort_all(timeout=scaled(30))
             return await asyncio.wait_for(asyncio.gather(*tasks), 30)
         finally:
             await client.close()
@@ -92,7 +93,7 @@ def test_abort_all_returns_partial_outputs_and_leaves_engines_idle(engines):
     for server in servers:
         load = http_json("GET", server.url + "/v1/loads?include=core")[1]["loads"][0]
         assert load["num_running_reqs"] == 0 and load["num_waiting_reqs"] == 0
-    client.run_sync(client.flush_cache(timeout=10))
+    client.run_sync(client.flush_cache(timeout=scaled(10)))
 
 
 def test_update_weights_from_disk_reaches_every_engine(engines, tmp_path):

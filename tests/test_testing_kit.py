@@ -4,6 +4,7 @@ import pytest
 
 from slimecore import hookimpl
 from slimecore.testing.contract import ContractError, check_plugin_contract
+from slimecore.testing import timeout as scaled
 
 
 def test_fixtures_build_hooks_and_samples(slimecore_hooks, make_sample):
@@ -47,7 +48,7 @@ def test_tiny_engine_fixture_serves_sglangs_generate(tiny_engine):
             "return_logprob": True}
     request = urllib.request.Request(f"{tiny_engine.url}/generate", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=60) as response:
+    with urllib.request.urlopen(request, timeout=scaled(60)) as response:
         out = json.loads(response.read())
     assert len(out["output_ids"]) == 4 and len(out["meta_info"]["output_token_logprobs"]) == 4
     assert out["meta_info"]["finish_reason"]["type"] == "length"

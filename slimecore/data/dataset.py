@@ -106,47 +106,73 @@ def _json_field(row: dict, key: str, where: str, kind: type):
     return value
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool", "developer")
+
+
+def _chat_messages(prompt: list, where: str, input_key: str) -> None:
+    for number, message in enumerate(prompt, start=1):
+        role = message.get("role")
+        if role not in CHAT_ROLES:
+            raise DataError(f"{where}: {input_key!r} message {number} has role {role!r}; chat messages need a role "
+                            f"among {', '.join(CHAT_ROLES)}")
+        if message.get("content") is None and not message.get("tool_calls"):
+            raise DataError(f"{where}: {input_key!r} message {number} ({role}) has no 'content'; give its text")
+
+
+def parse_row(where: str, row: dict, *, input_key: str, label_key: str | None, metadata_key: str | None,
+              tool_key: str | None, apply_chat_template: bool) -> tuple[list[dict] | str, object, dict, list | None]:
+    """One row's ``(prompt: chat messages or plain text, label, metadata, tools)``; a DataError names the row."""
+    if input_key not in row:
+        raise DataError(f"{where}: no key {input_key!r} (keys present: {sorted(row)}); set --input-key to the "
+                        "key holding the prompt")
+    if label_key and label_key not in row:
+        raise DataError(f"{where}: no key {label_key!r} (keys present: {sorted(row)}); set --label-key to the "
+                        "key holding the answer, or leave it unset for unlabelled prompts")
+    metadata = dict((_json_field(row, metadata_key, where, dict) or {}) if metadata_key else {})
+    tools = _json_field(row, tool_key, where, list) if tool_key else None
+    if tools is not None:
+        metadata["tools"] = tools
+    prompt = row[input_key]
+    if isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt) and prompt:
+        _chat_messages(prompt, where, input_key)
+        if not apply_chat_template:
+            raise DataError(f"{where}: {input_key!r} is a list of chat messages; add --apply-chat-template "
+                            "so the tokenizer's template renders them")
+    elif not isinstance(prompt, str):
+        raise DataError(f"{where}: {input_key!r} must be a string or a list of chat messages, "
+                        f"got a {type(prompt).__name__}")
+    return prompt, (row[label_key] if label_key else None), metadata, tools
+
+
 def to_prompts(rows: list[tuple[str, dict]], tokenizer, *, input_key: str, label_key: str | None,
                metadata_key: str | None, tool_key: str | None, apply_chat_template: bool,
                chat_template_kwargs: dict | None = None, max_prompt_len: int | None = None,
-               source: str = "prompts") -> tuple[list[dict], int]:
+               source: str = "prompts", limit_name: str = "--rollout-max-prompt-len") -> tuple[list[dict], int]:
     """Rows -> prompt records; returns ``(records, number dropped as longer than max_prompt_len)``.
 
     ``input`` is a string (wrapped as one user message for the chat template) or a list of chat messages
     (which needs ``apply_chat_template``). Token ids are computed without extra special tokens: the text
-    is exactly what the engine sees, so ``tokens`` and the engine's prompt agree.
+    is exactly what the engine sees, so ``tokens`` and the engine's prompt agree. ``limit_name`` says where
+    ``max_prompt_len`` comes from, for the log line.
     """
     if apply_chat_template and not getattr(tokenizer, "chat_template", None):
         raise DataError(f"{source}: --apply-chat-template is set but the tokenizer has no chat template; "
                         "drop the flag or use a checkpoint whose tokenizer_config has one")
     texts, labels, metadatas = [], [], []
     for where, row in rows:
-        if input_key not in row:
-            raise DataError(f"{where}: no key {input_key!r} (keys present: {sorted(row)}); set --input-key to the "
-                            "key holding the prompt")
-        if label_key and label_key not in row:
-            raise DataError(f"{where}: no key {label_key!r} (keys present: {sorted(row)}); set --label-key to the "
-                            "key holding the answer, or leave it unset for unlabelled prompts")
-        metadata = dict((_json_field(row, metadata_key, where, dict) or {}) if metadata_key else {})
-        tools = _json_field(row, tool_key, where, list) if tool_key else None
-        if tools is not None:
-            metadata["tools"] = tools
-        prompt = row[input_key]
-        if isinstance(prompt, str):
-            messages = [{"role": "user", "content": prompt}]
-        elif isinstance(prompt, list) and all(isinstance(m, dict) for m in prompt):
-            messages = prompt
-            if not apply_chat_template:
-                raise DataError(f"{where}: {input_key!r} is a list of chat messages; add --apply-chat-template "
-                                "so the tokenizer's template renders them")
-        else:
-            raise DataError(f"{where}: {input_key!r} must be a string or a list of chat messages, "
-                            f"got a {type(prompt).__name__}")
+        prompt, label, metadata, tools = parse_row(where, row, input_key=input_key, label_key=label_key,
+                                                   metadata_key=metadata_key, tool_key=tool_key,
+                                                   apply_chat_template=apply_chat_template)
         if apply_chat_template:
-            prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True,
-                                                   **(chat_template_kwargs or {}))
+            messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+            try:
+                prompt = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                                       add_generation_prompt=True, **(chat_template_kwargs or {}))
+            except Exception as exc:  # jinja raises its own errors from inside the template
+                raise DataError(f"{where}: the tokenizer's chat template failed on this row "
+                                f"({type(exc).__name__}: {exc}); fix the messages or --apply-chat-template-kwargs")
         texts.append(prompt)
-        labels.append(row[label_key] if label_key else None)
+        labels.append(label)
         metadatas.append(metadata)
     # One batched call: much faster than one tokenizer call per row for the 10k-prompt built-in tasks.
     token_ids = tokenizer(texts, add_special_tokens=False).input_ids if texts else []
@@ -157,6 +183,6 @@ def to_prompts(rows: list[tuple[str, dict]], tokenizer, *, input_key: str, label
             continue
         records.append({"prompt": text, "tokens": list(ids), "label": label, "metadata": metadata})
     if filtered:
-        log.warning("%s: dropped %d of %d prompts longer than --rollout-max-prompt-len %d tokens",
-                    source, filtered, len(texts), max_prompt_len)
+        log.warning("%s: dropped %d of %d prompts longer than %s %d tokens", source, filtered, len(texts),
+                    limit_name, max_prompt_len)
     return records, filtered

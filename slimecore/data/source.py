@@ -10,11 +10,13 @@ prompts an uninterrupted run would have and resumes the partial samples that sli
 from __future__ import annotations
 
 import copy
+import json
 import logging
 import random
+from pathlib import Path
 from typing import Callable
 
-from slimecore.data.dataset import read_rows, to_prompts
+from slimecore.data.dataset import DataError, read_rows, to_prompts
 from slimecore.data.tasks import get_task
 from slimecore.types import DataSource, Sample
 
@@ -61,15 +63,31 @@ def prompts_from_rows(config, tokenizer, rows: list[tuple[str, dict]], source: s
                       label_key: str | None, apply_chat_template: bool) -> tuple[list[dict], int]:
     """``load_prompts`` on rows already read (``(where, row)`` pairs, as ``read_rows`` gives them): for a plugin
     that rewrites the rows of its shipped data before they become prompts."""
+    limit, limit_name = prompt_limit(config)
     records, filtered = to_prompts(rows, tokenizer, input_key=input_key, label_key=label_key,
                                    metadata_key=config.metadata_key, tool_key=config.tool_key,
                                    apply_chat_template=apply_chat_template,
                                    chat_template_kwargs=config.apply_chat_template_kwargs,
-                                   max_prompt_len=config.rollout_max_prompt_len, source=source)
+                                   max_prompt_len=limit, source=source, limit_name=limit_name)
     if not records:
-        raise ValueError(f"{source}: all {filtered} prompts are longer than --rollout-max-prompt-len "
-                         f"{config.rollout_max_prompt_len}; raise it or use shorter prompts")
+        raise DataError(f"{source}: all {filtered} prompts are longer than {limit_name} {limit} tokens; "
+                        "raise --rollout-max-prompt-len (within the model's context) or use shorter prompts")
     return records, filtered
+
+
+def prompt_limit(config) -> tuple[int | None, str]:
+    """The longest prompt an engine accepts, and where that bound comes from: ``--rollout-max-prompt-len``, else
+    one less than the context (``--rollout-max-context-len`` or the model's ``max_position_embeddings``), as
+    slime does; a longer prompt would be refused by the engine (HTTP 400) and stop the run."""
+    if config.rollout_max_prompt_len is not None:
+        return config.rollout_max_prompt_len, "--rollout-max-prompt-len"
+    if config.rollout_max_context_len:
+        return config.rollout_max_context_len - 1, "--rollout-max-context-len - 1 ="
+    model_config = Path(config.hf_checkpoint or "") / "config.json"
+    if not config.hf_checkpoint or not model_config.is_file():
+        return None, ""
+    context = json.loads(model_config.read_text()).get("max_position_embeddings")
+    return (context - 1, f"the model's context ({context}) - 1 =") if context else (None, "")
 
 
 class PromptDataSource(DataSource):

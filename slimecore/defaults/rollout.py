@@ -6,8 +6,13 @@ finished group (dynamic sampling), stop at ``--rollout-batch-size`` accepted gro
 still running on every engine and wait for it. Differences from slime, on purpose:
 - aborted groups are never lost: with ``--partial-rollout`` they go back to the buffer with their
   partial responses; without it they go back with the response cleared;
-- a reward hook that raises or returns NaN marks that sample FAILED (reward 0, not trained) and is
-  counted as ``rollout/reward_failures``; the batch is not poisoned.
+- a reward hook that raises, returns NaN or runs past ``--reward-timeout`` marks that sample FAILED
+  (reward 0, not trained) and is counted as ``rollout/reward_failures``; the first few are logged with
+  their traceback; the batch is not poisoned (the rollout manager stops the run when more than
+  ``--max-reward-failure-fraction`` of a step failed);
+- a generate hook past ``--generate-timeout`` fails the step naming the plugin;
+- group filters that keep dropping groups stop the step after ``--max-filter-rounds`` over-sampling rounds,
+  naming each filter's plugin and its drop reasons, instead of sampling forever.
 """
 
 from __future__ import annotations
@@ -22,10 +27,11 @@ import threading
 import time
 
 from slimecore import hookimpl
-from slimecore.plugins import HookCallError
+from slimecore.plugins import HookCallError, PluginError
 from slimecore.types import FilterResult, RolloutOutput, Sample, Status
 
 log = logging.getLogger("slimecore.rollout")
+FAILURES_LOGGED = 3  # reward failures logged with their traceback per rollout process
 
 
 def sampling_params(config, evaluation: bool = False) -> dict:
@@ -114,7 +120,8 @@ class _GroupRunner:
             return samples  # goes back to the buffer; scored when it completes
         if self._group_rm():
             try:
-                rewards = await self.hooks.group_reward(config=self.config, samples=samples)
+                rewards = await self._bounded_reward("slime_group_reward", self.hooks.group_reward(
+                    config=self.config, samples=samples))
             except HookCallError as exc:  # the whole group is unscored: mark each sample, as for slime_reward
                 for sample in samples:
                     self._fail(sample, str(exc))
@@ -138,8 +145,15 @@ class _GroupRunner:
             return sample  # finished before its group was aborted; resumed groups only continue the rest
         async with self.semaphore:
             start = time.perf_counter()
-            out = await self.hooks.generate(config=self.config, sample=sample, sampling_params=self.params,
-                                            client=self.client, evaluation=self.evaluation, hooks=self.hooks)
+            call = self.hooks.generate(config=self.config, sample=sample, sampling_params=self.params,
+                                       client=self.client, evaluation=self.evaluation, hooks=self.hooks)
+            try:
+                out = await asyncio.wait_for(call, self.config.generate_timeout)
+            except asyncio.TimeoutError:
+                plugin = self.hooks.plugin_name(self.hooks.answerer("slime_generate"))
+                raise PluginError(f"plugin {plugin!r}: slime_generate did not return within --generate-timeout "
+                                  f"{self.config.generate_timeout:g}s for sample {sample.index}; fix the hook (is "
+                                  "it waiting on something that never answers?) or raise the timeout") from None
             for s in out if isinstance(out, list) else [out]:
                 s.metadata["generate_time"] = time.perf_counter() - start
             return out
@@ -147,9 +161,9 @@ class _GroupRunner:
     async def _reward(self, sample: Sample) -> None:
         start = time.perf_counter()
         try:
-            reward = await self.hooks.reward(config=self.config, sample=sample)
+            reward = await self._bounded_reward("slime_reward", self.hooks.reward(config=self.config, sample=sample))
         except HookCallError as exc:
-            self._fail(sample, str(exc))
+            self._fail(sample, str(exc), exc.cause_traceback)
             return
         finally:
             self.reward_time += time.perf_counter() - start
@@ -162,8 +176,20 @@ class _GroupRunner:
             return
         sample.reward = reward
 
-    def _fail(self, sample: Sample, why: str) -> None:
+    async def _bounded_reward(self, hook: str, call):
+        """A reward hook's answer within ``--reward-timeout``; past it, a HookCallError naming the plugin."""
+        try:
+            return await asyncio.wait_for(call, self.config.reward_timeout)
+        except asyncio.TimeoutError:
+            plugin = self.hooks.plugin_name(self.hooks.answerer(hook))
+            raise HookCallError(plugin, hook, TimeoutError(
+                f"no answer within --reward-timeout {self.config.reward_timeout:g}s")) from None
+
+    def _fail(self, sample: Sample, why: str, trace: str | None = None) -> None:
         self.reward_failures += 1
+        if self.reward_failures <= FAILURES_LOGGED:
+            log.warning("sample %s: reward failed (%d so far this step; the sample is not trained): %s%s", sample.index,
+                        self.reward_failures, why, f"\n{trace}" if trace else "")
         sample.status, sample.reward, sample.remove_sample = Status.FAILED, 0.0, True
         sample.metadata["reward_error"] = why
 
@@ -183,12 +209,25 @@ def slime_filter_group(config, samples: list[Sample]):
                         keep_when_insufficient=config.dynamic_sampling_filter == "nonzero_std_with_fallback")
 
 
-def _filter(hooks, config, group: list[Sample]) -> FilterResult:
-    for answer in hooks.filter_group(config=config, samples=group):
+def _filter(hooks, config, group: list[Sample]) -> tuple[FilterResult, str | None]:
+    """The first rejecting verdict of the group filters, with the plugin that gave it (None: all keep)."""
+    for plugin, answer in hooks.answers("slime_filter_group", config=config, samples=group):
         result = answer if isinstance(answer, FilterResult) else FilterResult(bool(answer))
         if not result.keep:
-            return result
-    return FilterResult(True)
+            return result, plugin
+    return FilterResult(True), None
+
+
+class FilterStarvedError(RuntimeError):
+    """Group filters dropped groups for ``--max-filter-rounds`` over-sampling rounds without filling a step."""
+
+
+def _starved(rollout_id: int, rounds: int, accepted: int, target: int, by_filter: collections.Counter):
+    named = "; ".join(f"plugin {plugin!r} dropped {n} ({reason})" for (plugin, reason), n in by_filter.most_common(5))
+    return FilterStarvedError(
+        f"rollout {rollout_id}: group filters dropped {sum(by_filter.values())} groups in {rounds} over-sampling "
+        f"rounds and accepted {accepted} of {target} (--max-filter-rounds {rounds}): {named}. The filter rejects "
+        "(nearly) every group: check the rewards it sees (all equal?) and the filter, or raise --max-filter-rounds")
 
 
 def _concurrency(config) -> int:
@@ -208,10 +247,18 @@ async def slime_rollout(config, rollout_id: int, data_source, client, hooks, eva
     over = config.over_sampling_batch_size or target
     accepted: list[list[Sample]] = []
     drops: collections.Counter = collections.Counter()
+    by_filter: collections.Counter = collections.Counter()  # (plugin, reason) -> groups dropped
     tasks: set[asyncio.Task] = set()
     submitted_alive = 0  # submitted and not rejected (slime's remaining_batch_size)
+    rounds = 0
     while len(accepted) < target:
         while submitted_alive < target:
+            if rounds == config.max_filter_rounds and by_filter:
+                for task in tasks:
+                    task.cancel()
+                await client.abort_all()
+                raise _starved(rollout_id, rounds, len(accepted), target, by_filter)
+            rounds += 1
             for group in data_source.get_samples(over):
                 if config.mask_offpolicy_in_partial_rollout:
                     for sample in group:
@@ -227,11 +274,12 @@ async def slime_rollout(config, rollout_id: int, data_source, client, hooks, eva
                 _recycle(config, data_source, group, rollout_id)
                 submitted_alive -= 1
                 continue
-            verdict = _filter(hooks, config, group)
+            verdict, plugin = _filter(hooks, config, group)
             if verdict.keep or (verdict.keep_when_insufficient and submitted_alive <= target):
                 accepted.append(group)
             else:
                 drops[verdict.reason or "filtered"] += 1
+                by_filter[plugin, verdict.reason or "filtered"] += 1
                 submitted_alive -= 1
                 _warn_if_starving(drops, len(accepted), target)
     aborted = 0
@@ -332,7 +380,7 @@ class BackgroundRollout:
                 if any(s.status == Status.ABORTED for s in group):
                     self.give_back(group, keep_partial=self.config.partial_rollout)
                     continue
-                verdict = _filter(self.hooks, self.config, group)
+                verdict, _ = _filter(self.hooks, self.config, group)
                 if verdict.keep:
                     self.finished.put(group)
                 else:

@@ -18,6 +18,7 @@ import ray
 import ray.util
 
 from slimecore.config import Config
+from slimecore.errors import check_reward_failures
 from slimecore.plugins import load_for_config
 from slimecore.raytools import ray_get
 from slimecore.types import Sample, Status
@@ -133,6 +134,7 @@ class RolloutManager:
                                     else self.data_source.state_dict())
         for old in [k for k in self._states if k < rollout_id - 2]:
             del self._states[old]
+        check_reward_failures(c, samples, rollout_id)
         metrics.update(rollout_metrics(samples, time.perf_counter() - start, c.reward_key))
         metrics.update(self._fault_metrics())
         metrics.update({"timeline/rollout_start": wall_start, "timeline/rollout_end": time.time()})
@@ -265,7 +267,7 @@ def rollout_metrics(samples: list[Sample], rollout_time: float, reward_key: str 
     if not samples:
         return {"perf/rollout_time": rollout_time}
     lengths = [s.response_length for s in samples]
-    rewards = [s.get_reward_value(reward_key) for s in samples if s.reward is not None]
+    rewards = [s.get_reward_value(reward_key) for s in samples if s.reward is not None and s.status != Status.FAILED]
     longest = max(samples, key=lambda s: s.response_length)
     metrics = {
         "rollout/raw_reward": statistics.fmean(rewards) if rewards else 0.0,

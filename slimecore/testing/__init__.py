@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 
 def mask_runs(mask: list[int]) -> list[tuple[int, int, int]]:
     """``(value, start, end)`` of each run of equal values in a loss mask: a multi-turn sample's model turns
@@ -13,3 +15,9 @@ def mask_runs(mask: list[int]) -> list[tuple[int, int, int]]:
             found.append((mask[start], start, i))
             start = i
     return found
+
+
+def timeout(seconds: float) -> float:
+    """A test's wait or time limit, scaled by ``SLIMECORE_TEST_TIMEOUT_SCALE`` (default 1): set it, e.g. to 3,
+    where the machine is busy, instead of editing the limits of single tests."""
+    return seconds * float(os.environ.get("SLIMECORE_TEST_TIMEOUT_SCALE", "1") or 1)

@@ -59,6 +59,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from slimecore.checkpoint import atomic_write_text
 from slimecore.config import ConfigError
 from slimecore.trainers.fsdp import FSDPTrainer, lr_lambda
 
@@ -225,7 +226,7 @@ def write_checkpoint_meta(directory: Path, bridge, config, **extra) -> None:
             "tensor_model_parallel_size": config.tensor_model_parallel_size,
             "pipeline_model_parallel_size": config.pipeline_model_parallel_size,
             "expert_model_parallel_size": config.expert_model_parallel_size, **extra}
-    (directory / CHECKPOINT_META).write_text(json.dumps(meta, indent=1))
+    atomic_write_text(directory / CHECKPOINT_META, json.dumps(meta, indent=1))  # other ranks may be reading it
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -29,6 +29,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs megatron-core, mbridge and the grpo and models plugins (scripts/setup.sh installs them)")
 
 import megatron_checks as checks  # noqa: E402  (no megatron import at module level)
+from slimecore.testing import timeout as scaled
 
 TOL = 1e-5
 STEP_KEYS = ("train/loss", "train/pg_loss", "train/kl_loss", "train/entropy_loss", "train/grad_norm")
@@ -57,7 +58,7 @@ def test_tp1_matches_hf_and_fsdp_exports_exactly_and_resumes(arch, tiny_checkpoi
     checkpoint = tiny_checkpoint if arch == "qwen2" else tiny_llama
     more = MORE_ARCHITECTURES if arch == "llama" else ()
     [r] = run_ranks(checks.single_process, str(checkpoint), str(tmp_path / "ckpt"), more, arch == "qwen2", world=1,
-                    timeout=300)
+                    timeout=scaled(300))
     assert r["logits_vs_hf"] < TOL and r["log_probs_vs_hf"] < TOL
     assert r["log_probs_vs_fsdp"] < TOL and r["entropy_vs_fsdp"] < TOL
     assert r["export_names_equal"] and r["export_exact"]
@@ -87,7 +88,7 @@ def test_tp2_dp2_and_pp2_with_recompute_agree_with_one_process(tiny_checkpoint, 
     layouts = [{"tensor_model_parallel_size": 2}, {"use_distributed_optimizer": True},
                {"pipeline_model_parallel_size": 2, "recompute_granularity": "full", "recompute_method": "uniform",
                 "recompute_num_layers": 1}]
-    r0, r1 = run_ranks(checks.grpo_step_layouts, str(tiny_checkpoint), layouts, str(tmp_path), world=2, timeout=300)
+    r0, r1 = run_ranks(checks.grpo_step_layouts, str(tiny_checkpoint), layouts, str(tmp_path), world=2, timeout=scaled(300))
     tp2, dp2, pp2 = r0["layouts"]
     assert [(x["tp_size"], x["pp_size"], x["dp_size"]) for x in (tp2, dp2, pp2)] == [(2, 1, 1), (1, 1, 2), (1, 2, 1)]
     for layout in (tp2, dp2, pp2):
@@ -100,7 +101,7 @@ def test_tp2_dp2_and_pp2_with_recompute_agree_with_one_process(tiny_checkpoint, 
 
 
 def test_qwen3_moe_with_expert_parallelism(tmp_path):
-    r0, _ = run_ranks(checks.moe_converts_and_matches_hf, str(tmp_path), world=2, timeout=300)
+    r0, _ = run_ranks(checks.moe_converts_and_matches_hf, str(tmp_path), world=2, timeout=scaled(300))
     assert r0["norm1_log_probs_vs_hf"] < TOL and r0["norm0_log_probs_vs_hf"] < TOL
     _same_step(r0["megatron"], r0["fsdp"])
     assert r0["round_trip_names_equal"] and r0["round_trip_exact"] and r0["tensors"] == 45
@@ -182,12 +183,12 @@ def test_critic_role_is_refused_at_startup(tiny_checkpoint):
 def test_throughput_benchmark_counts_the_same_tokens_and_flops_on_both_backends(tiny_checkpoint):
     """benchmarks/train_throughput.py, as a GPU run would call it: TP = 2 megatron counts each trained token once
     (one data-parallel replica), as fsdp's DP = 2 does, so tokens/s per TFLOP/s per device is the same."""
-    fsdp = run_ranks(checks.throughput_benchmark, str(tiny_checkpoint), "fsdp", [], timeout=300)
+    fsdp = run_ranks(checks.throughput_benchmark, str(tiny_checkpoint), "fsdp", [], timeout=scaled(300))
     megatron = run_ranks(checks.throughput_benchmark, str(tiny_checkpoint), "megatron",
-                         ["--tensor-model-parallel-size", "2"], timeout=300)
+                         ["--tensor-model-parallel-size", "2"], timeout=scaled(300))
     ratio = [r["perf/actor_train_tok_per_s"] / r["perf/actor_train_tflops"] for r in fsdp + megatron]
     assert ratio == pytest.approx([ratio[0]] * 4, rel=1e-9)
-    [one] = run_ranks(checks.throughput_benchmark, str(tiny_checkpoint), "megatron", [], True, world=1, timeout=300)
+    [one] = run_ranks(checks.throughput_benchmark, str(tiny_checkpoint), "megatron", [], True, world=1, timeout=scaled(300))
     assert one["logprob_abs_diff_max"] < 1e-5  # fp32 on the CPU: the same weights give the same log-probs
 
 
@@ -197,7 +198,7 @@ def test_throughput_benchmark_counts_the_same_tokens_and_flops_on_both_backends(
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_gpu_bf16_log_probs_close_to_fsdp(tiny_checkpoint):
-    [r] = run_ranks(checks.gpu_bf16_log_probs, str(tiny_checkpoint), world=1, timeout=300)
+    [r] = run_ranks(checks.gpu_bf16_log_probs, str(tiny_checkpoint), world=1, timeout=scaled(300))
     assert r["mean_abs_diff"] < 2e-2 and r["max_abs_diff"] < 0.25  # bf16 rounding, different kernels
     for key in STEP_KEYS:  # fp32 on the GPU: other kernels (cuBLAS, TE), so not the CPU's 1e-5
         assert r["megatron_fp32_step"][key] == pytest.approx(r["fsdp_fp32_step"][key], rel=1e-4, abs=1e-4), key

@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from slimecore_cli.main import cli
+from slimecore.testing import timeout as scaled
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("megatron.core", "mbridge", "slime_models")),
@@ -31,7 +32,7 @@ TINY_MODEL_ARGS = ["--num-layers", "2", "--hidden-size", "64", "--ffn-hidden-siz
 
 
 def _convert(*args: str) -> subprocess.CompletedProcess:
-    proc = subprocess.run([sys.executable, SHIM_CLI, "convert", *args], capture_output=True, text=True, timeout=240)
+    proc = subprocess.run([sys.executable, SHIM_CLI, "convert", *args], capture_output=True, text=True, timeout=scaled(240))
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     return proc
 

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from slimecore.testing import timeout as scaled
 
 pytestmark = pytest.mark.skipif(
     any(importlib.util.find_spec(m) is None for m in ("megatron.core", "mbridge", "slime_grpo", "slime_models")),
@@ -27,7 +28,7 @@ def _train(checkpoint: Path, log_dir: Path, *extra: str) -> list[dict]:
             "--rollout-max-response-len", "8", "--lr", "1e-4", "--log-dir", str(log_dir), "--no-use-tensorboard",
             "--apply-chat-template", "--actor-num-gpus-per-node", "2", "--tensor-model-parallel-size", "2",
             "--use-dynamic-batch-size", "--max-tokens-per-gpu", "64", *extra]
-    proc = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=scaled(300))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 

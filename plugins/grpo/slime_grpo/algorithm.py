@@ -22,6 +22,8 @@ Fixes relative to slime (DESIGN.md section 8):
 - Groups come from ``Sample.group_index``, not from reshaping the batch to ``[-1, n_samples_per_prompt]``,
   so fan-out and uneven groups are normalised per prompt instead of as one whole-batch group.
 - A group of one sample gets reward ``0`` after centring and no std division (slime: NaN).
+- A FAILED sample (its reward hook raised, timed out or gave NaN; it is not trained) is left out of its
+  group's mean and std and gets 0, so a failure does not move its siblings' advantages.
 """
 
 from __future__ import annotations
@@ -33,10 +35,13 @@ import torch
 from slimecore.ops.kl import approx_kl
 
 
-def group_normalize(rewards: list[float], group_ids: list, std_normalize: bool, eps: float = 1e-6) -> list[float]:
+def group_normalize(rewards: list[float], group_ids: list, std_normalize: bool, eps: float = 1e-6,
+                    excluded: list[bool] | None = None) -> list[float]:
+    """Per-group centring (and std scaling); samples marked in ``excluded`` stay out of the statistics and get 0."""
     groups: dict = defaultdict(list)
     for i, g in enumerate(group_ids):
-        groups[g].append(i)
+        if not (excluded and excluded[i]):
+            groups[g].append(i)
     out = [0.0] * len(rewards)
     for members in groups.values():
         r = torch.tensor([rewards[i] for i in members], dtype=torch.float64)

@@ -8,6 +8,7 @@ from slimecore import hookimpl
 from slimecore.config import ConfigError, Option
 from slimecore.ops.kl import KL_TYPES
 from slimecore.ops.masked import masked_whiten
+from slimecore.types import Status
 from slime_grpo.algorithm import group_normalize, overlong_penalty, policy_loss
 
 NAME = "grpo"
@@ -88,7 +89,7 @@ def post_process_rewards(config, o, samples):
     groups = [s.group_index if s.group_index is not None else i // config.n_samples_per_prompt
               for i, s in enumerate(samples)]
     std = not o.disable_grpo_std_normalization and config.n_samples_per_prompt > 1
-    return raw, group_normalize(shaped, groups, std)
+    return raw, group_normalize(shaped, groups, std, excluded=[s.status == Status.FAILED for s in samples])
 
 
 def shape_rewards(config, o, samples, raw: list[float]) -> list[float]:

@@ -90,6 +90,19 @@ def test_post_process_rewards_groups_by_group_index():
     assert rewards[1] == rewards[3] == 0.0 and rewards[0] == pytest.approx(-rewards[2]) and rewards[0] > 0.7
 
 
+def test_failed_samples_leave_the_group_statistics():
+    # rewards [1, 1, 0.5] plus one FAILED sample (reward 0, not trained): the 0.5 sample's advantage is what the
+    # three scored samples alone give, -(1/3) / unbiased std 0.2887 = -1.155 (counting the failure gave -0.261)
+    hooks = load_plugins(["grpo"])
+    values = {o.name: o.default for o in hooks.declared_options()["grpo"]}
+    config = Config.make(plugin_values={"grpo": values}, n_samples_per_prompt=4, rollout_batch_size=1)
+    samples = [Sample(group_index=0, reward=r) for r in (1.0, 1.0, 0.5, 0.0)]
+    samples[3].status = Sample.Status.FAILED
+    _, rewards = hooks.post_process_rewards(config=config, samples=samples)
+    assert rewards[2] == pytest.approx(-1.1547, abs=1e-4) and rewards[3] == 0.0
+    assert rewards[0] == rewards[1] == pytest.approx(0.5774, abs=1e-4)
+
+
 def _tis_case(**kw):
     """Two tokens at the old policy (ratio 1, A = 1) whose rollout log-probs differ: rho = exp(old - roll)."""
     old = torch.tensor([-1.0, -1.0])

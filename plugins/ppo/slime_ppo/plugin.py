@@ -30,6 +30,7 @@ from slimecore import hookimpl
 from slimecore.config import ConfigError, Option
 from slimecore.ops.kl import approx_kl
 from slimecore.ops.masked import masked_whiten
+from slimecore.types import Status
 
 NAME = "ppo"
 ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
@@ -74,7 +75,8 @@ def slime_post_process_rewards(config, samples):
         return raw, shaped
     groups = [s.group_index if s.group_index is not None else i // config.n_samples_per_prompt
               for i, s in enumerate(samples)]
-    return raw, group_normalize(shaped, groups, std_normalize=False)
+    return raw, group_normalize(shaped, groups, std_normalize=False,
+                                excluded=[s.status == Status.FAILED for s in samples])
 
 
 @hookimpl

@@ -15,6 +15,7 @@ import torch
 
 from search_r1_testkit import check_episode, search_data, taught_checkpoint  # noqa: F401
 from slimecore.types import Sample
+from slimecore.testing import timeout as scaled
 
 pytest.importorskip("slime_grpo", reason="the grpo plugin is installed by scripts/setup.sh")
 
@@ -30,7 +31,7 @@ def test_train_grpo_with_search_r1_for_two_steps(taught_checkpoint, search_data,
          "--apply-chat-template", "--search-corpus", str(corpus), "--search-topk", "1", "--rollout-batch-size", "2",
          "--n-samples-per-prompt", "4", "--rollout-max-response-len", "48", "--num-rollout", "2", "--lr", "1e-5",
          "--log-dir", str(log_dir), "--no-use-tensorboard", "--save-debug-rollout-data", str(dump)],
-        capture_output=True, text=True, timeout=400, env=env)
+        capture_output=True, text=True, timeout=scaled(400), env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     steps = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout/step"] for m in steps] == [0, 1]

@@ -12,6 +12,7 @@ import pytest
 from slimecore import hookimpl
 from slimecore.config import Config, ConfigError, apply_implied_options, parse_config
 from slimecore.plugins import PluginError, load_plugins
+from slimecore.testing import timeout as scaled
 
 
 def _parse(*argv: str, plugins=("sft",)) -> Config:
@@ -82,7 +83,7 @@ def test_an_implied_options_answer_that_is_not_a_dict_is_an_error_naming_the_plu
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "slimecore_cli", "train", *args], capture_output=True, text=True,
-                          timeout=120)
+                          timeout=scaled(120))
 
 
 def test_the_command_line_stops_before_ray_at_a_bad_row_or_a_second_algorithm(tmp_path):

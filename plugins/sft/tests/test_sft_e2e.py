@@ -8,6 +8,7 @@ import os
 import statistics
 import subprocess
 import sys
+from slimecore.testing import timeout as scaled
 
 
 def test_slime_core_train_plugin_sft_lowers_the_loss_on_a_built_in_task(tiny_hf_checkpoint, tmp_path):
@@ -17,7 +18,7 @@ def test_slime_core_train_plugin_sft_lowers_the_loss_on_a_built_in_task(tiny_hf_
     proc = subprocess.run([sys.executable, "-m", "slimecore_cli", "train", "--plugin", "sft", "--hf-checkpoint",
                            str(tiny_hf_checkpoint), "--task", "compare", "--task-size", "48", "--num-rollout", "6",
                            "--lr", "1e-3", "--log-dir", str(log_dir), "--no-use-tensorboard"],
-                          capture_output=True, text=True, timeout=300, env=env)
+                          capture_output=True, text=True, timeout=scaled(300), env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert "plugin 'sft' runs with --debug-train-only --n-samples-per-prompt 1" in proc.stderr
     steps = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]

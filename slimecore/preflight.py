@@ -1,0 +1,227 @@
+"""Checks made in the driver before Ray starts, so bad input fails in seconds with one message instead of
+inside an actor minutes later: the hooks' signatures, ``--hf-checkpoint``, the prompt and eval files, the
+reward type of your own data, ``--load`` against the model, ``--save`` and ``--log-dir``. Once Ray is up,
+``check_placement`` compares what the run asks for with what the cluster has.
+
+Each check raises ``ConfigError`` (or ``PluginError`` for a plugin) whose message names the file, row, key,
+flag or plugin and says what to do. ``check_before_ray`` runs them all; the CLI and ``slimecore.loop.run``
+call it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from slimecore.config import Config, ConfigError
+from slimecore.plugins import Hooks, PluginError
+
+ROWS_RENDERED = 16  # rows whose chat template is rendered in the driver (the keys of every row are checked)
+LOCK_FILE = ".slimecore-run.pid"
+
+
+def check_before_ray(config: Config, hooks: Hooks) -> None:
+    check_hook_signatures(hooks)
+    tokenizer = check_hf_checkpoint(config)
+    check_prompt_files(config, hooks, tokenizer)
+    check_reward_type(config, hooks)
+    if config.load:
+        check_load(config)
+    if config.save:
+        check_writable(config.save, "--save")
+    check_writable(config.log_dir, "--log-dir")
+    claim_log_dir(config.log_dir)
+
+
+def check_hook_signatures(hooks: Hooks) -> None:
+    """Every active plugin's hookimpls against their specs (``async def`` where the spec awaits), so a sync
+    ``def slime_reward`` fails here, blamed on its plugin, not after the first rollout on the caller."""
+    from slimecore.testing.contract import ContractError, check_plugin_contract
+
+    for info in hooks.plugins:
+        if info.is_default or not info.hooks:
+            continue
+        try:
+            check_plugin_contract(info.module)
+        except ContractError as exc:
+            raise PluginError(f"plugin {info.name!r} ({info.location or info.origin}): {exc}; see "
+                              "`slime-core hooks` for each hook's signature") from None
+
+
+def check_hf_checkpoint(config: Config):
+    """``config.json`` loads, the weights match it (names and shapes), the tokenizer loads; returns the tokenizer."""
+    from transformers import AutoConfig
+
+    from slimecore.convert import ConvertError, check_hf_weights
+    from slimecore.models import load_tokenizer
+
+    path = Path(config.hf_checkpoint)
+    try:
+        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"--hf-checkpoint {path}: config.json cannot be loaded ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:300]}); restore it from the model's original files") from None
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            shards = set(json.loads(index.read_text())["weight_map"].values())
+        except (ValueError, KeyError, AttributeError) as exc:
+            raise ConfigError(f"--hf-checkpoint {path}: {index.name} is not a weights index ({exc}); restore it "
+                              "or delete it if model.safetensors holds every tensor") from None
+        missing = sorted(s for s in shards if not (path / s).is_file())
+        if missing:
+            raise ConfigError(f"--hf-checkpoint {path}: {index.name} lists {len(missing)} shard(s) that are not there "
+                              f"({', '.join(missing[:3])}); copy the missing files")
+    if any(path.glob("*.safetensors")):
+        try:
+            check_hf_weights(path, hf_config)
+        except ConvertError as exc:
+            raise ConfigError(f"--hf-checkpoint {path}: {exc}") from None
+        except Exception as exc:  # safetensors' own errors on a truncated or corrupt file
+            raise ConfigError(f"--hf-checkpoint {path}: the *.safetensors cannot be read ({type(exc).__name__}: "
+                              f"{exc}); the file is corrupt or truncated, copy it again") from None
+    try:
+        return load_tokenizer(path)
+    except Exception as exc:  # transformers raises many kinds here
+        raise ConfigError(f"--hf-checkpoint {path}: the tokenizer cannot be loaded ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:300]}); restore tokenizer.json / tokenizer_config.json") from None
+
+
+def _uses_default(hooks: Hooks, hook: str) -> bool:
+    return hooks.is_default(hooks.answerer(hook))
+
+
+def check_prompt_files(config: Config, hooks: Hooks, tokenizer) -> None:
+    """The prompt file (when the built-in data source reads it) and every eval file: they exist and parse, the
+    slice selects rows, every row has the keys and well-formed chat messages; the first rows are rendered."""
+    from slimecore.data.dataset import DataError, parse_row, read_rows
+    from slimecore.data.source import TASK_PREFIX, prompts_from_rows
+    from slimecore.rollout.evaluation import eval_datasets
+
+    files = []
+    if config.prompt_data and _uses_default(hooks, "slime_data_source") and not config.load_debug_rollout_data:
+        files.append((config.prompt_data, config.input_key, config.label_key, config.apply_chat_template))
+    if config.eval_prompt_data or config.eval_config:
+        for dataset in eval_datasets(config):
+            if not dataset.path.startswith(TASK_PREFIX):
+                c = dataset.apply(config)
+                files.append((dataset.path, c.eval_input_key or c.input_key, c.eval_label_key or c.label_key,
+                              config.apply_chat_template))
+    for spec, input_key, label_key, chat in files:
+        try:
+            rows = read_rows(spec)
+            for where, row in rows:
+                parse_row(where, row, input_key=input_key, label_key=label_key, metadata_key=config.metadata_key,
+                          tool_key=config.tool_key, apply_chat_template=chat)
+            prompts_from_rows(config, tokenizer, rows[:ROWS_RENDERED], spec, input_key=input_key,
+                              label_key=label_key, apply_chat_template=chat)
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
+
+
+def check_reward_type(config: Config, hooks: Hooks) -> None:
+    """Your own prompts scored by the built-in reward need a reward type: ``--rm-type`` or ``rm_type`` in every
+    row's metadata. (Built-in tasks bring their own.)"""
+    from slimecore.data.dataset import read_rows
+
+    if config.rm_type or not config.prompt_data or not _uses_default(hooks, "slime_reward"):
+        return
+    if not _uses_default(hooks, "slime_data_source") or config.debug_train_only or config.load_debug_rollout_data:
+        return  # a plugin's data source may set rm_type itself
+    key = config.metadata_key
+    for where, row in read_rows(config.prompt_data):
+        metadata = row.get(key) if key else None
+        if isinstance(metadata, str):
+            metadata = json.loads(metadata) if metadata.strip().startswith("{") else None
+        if not (isinstance(metadata, dict) and metadata.get("rm_type")):
+            raise ConfigError(f"{where}: no reward type for your own data: --rm-type is not set and the row's "
+                              f"{key!r} has no 'rm_type'. Set --rm-type (math, deepscaler, dapo, f1, gpqa, "
+                              "remote_rm --rm-url URL, ...), add rm_type to each row's metadata, or pass a plugin "
+                              "with a slime_reward hook (--plugin ./my_reward.py)")
+
+
+def check_load(config: Config) -> None:
+    """``--load`` has a complete checkpoint, and (fsdp, full weights) its tensors have the model's shapes."""
+    from slimecore import checkpoint
+
+    try:
+        last = checkpoint.latest_complete(config.load)
+    except FileNotFoundError as exc:
+        raise ConfigError(str(exc)) from None
+    actor = checkpoint.iteration_dir(config.load, last) / "actor"
+    if config.train_backend != "fsdp" or config.use_lora or not any(actor.glob("model*.safetensors")):
+        return
+    from slimecore.convert import safetensors_shapes
+
+    saved, model = safetensors_shapes(actor), safetensors_shapes(Path(config.hf_checkpoint))
+    differ = [f"{k}: checkpoint {saved[k]}, model {model[k]}" for k in sorted(saved) if k in model and saved[k] != model[k]]
+    missing = sorted(set(model) - set(saved) - {"lm_head.weight"})
+    if differ or missing:
+        raise ConfigError(f"--load {config.load}: {actor} was saved from another model than --hf-checkpoint "
+                          f"{config.hf_checkpoint} (" + "; ".join(differ[:4] + [f"missing {m}" for m in missing[:4]])
+                          + "). Load a checkpoint of this model, or give the --hf-checkpoint it was trained from")
+
+
+def check_writable(directory: str, flag: str) -> None:
+    """Create ``directory`` and a probe file in it (then remove the probe): fails now, not after the first step."""
+    path = Path(directory)
+    probe = path / f".slimecore-write-probe-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_text("probe")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{flag} {directory}: cannot write there ({exc.strerror or exc}); choose a directory "
+                          "you can write to") from None
+
+
+def claim_log_dir(directory: str) -> None:
+    """Two runs writing one ``--log-dir`` would interleave their metrics: the second stops, naming the first."""
+    lock = Path(directory) / LOCK_FILE
+    if lock.is_file():
+        text = lock.read_text().strip()
+        if text.isdigit() and int(text) != os.getpid() and _alive(int(text)):
+            raise ConfigError(f"--log-dir {directory} is in use by another run (pid {text}); give this run its own "
+                              "--log-dir (and --save), or wait for that one to end")
+    tmp = lock.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(str(os.getpid()))
+    os.replace(tmp, lock)
+
+
+def release_log_dir(directory: str) -> None:
+    lock = Path(directory) / LOCK_FILE
+    if lock.is_file() and lock.read_text().strip() == str(os.getpid()):
+        lock.unlink()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_placement(bundles: list[dict], what: str) -> None:
+    """The placement group's total demand against ``ray.cluster_resources()``: a run the cluster cannot hold
+    fails at once naming the resource, instead of waiting for a placement that never comes."""
+    import ray
+
+    have = ray.cluster_resources()
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for resource, amount in bundle.items():
+            need[resource] = need.get(resource, 0.0) + amount
+    short = {r: n for r, n in need.items() if n > have.get(r, 0.0) + 1e-9}
+    if short:
+        lines = ", ".join(f"{n:g} {r} (the cluster has {have.get(r, 0.0):g})" for r, n in short.items())
+        raise ConfigError(f"the cluster cannot hold this run: {what} need {lines}. Lower --num-cpus-per-actor or the "
+                          "number of ranks/engines (--actor-num-gpus-per-node, --rollout-num-gpus), or add nodes")
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    for bundle in bundles:
+        if nodes and not any(all(node.get(r, 0.0) + 1e-9 >= n for r, n in bundle.items()) for node in nodes):
+            raise ConfigError(f"the cluster cannot hold this run: one bundle needs {bundle} on a single node and no "
+                              "node has that much. Lower --num-cpus-per-actor, or add a bigger node")

@@ -1,0 +1,231 @@
+"""Bad input and faults as a user meets them through ``slime-core train`` (one process per run, the tiny
+model): each case asserts the message (what went wrong and what to do) and how long it took to fail.
+
+Checks made before Ray starts must fail in under 10 s; faults inside a run must stop it with the original
+message, the plugin and the process it came from, never Ray's ``UnserializableException`` or a hang. Limits
+scale with ``SLIMECORE_TEST_TIMEOUT_SCALE``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from slimecore.testing import timeout
+from slimecore.testing.tiny import make_tiny_checkpoint
+
+pytest.importorskip("slime_grpo", reason="the grpo plugin is installed by scripts/setup.sh")
+HERE = Path(__file__).parent
+FAULTY = str(HERE / "faulty_plugin.py")
+ROWS = [{"input": f"What is {a} + {b}?", "label": str(a + b)} for a, b in [(1, 2), (3, 4), (5, 6), (7, 8)]]
+
+
+def _jsonl(path: Path, rows: list, lines: list[str] = ()) -> str:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows) + "".join(lines))
+    return str(path)
+
+
+def _args(checkpoint, tmp_path: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "slimecore_cli", "train", "--plugin", "grpo", "--hf-checkpoint", str(checkpoint),
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4",
+            "--num-rollout", "2", "--log-dir", str(tmp_path / "log"), "--no-use-tensorboard", *extra]
+
+
+def _train(args: list[str], limit: float, env: dict | None = None) -> tuple[subprocess.CompletedProcess, float, str]:
+    start = time.perf_counter()
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=limit + timeout(60),
+                          env={**os.environ, **(env or {})})
+    return proc, time.perf_counter() - start, " ".join(proc.stderr.split())
+
+
+# -- before Ray starts ----------------------------------------------------------------------------------
+
+
+def _own_data(tmp_path: Path, rows=ROWS, lines=()) -> list[str]:
+    return ["--prompt-data", _jsonl(tmp_path / "data.jsonl", rows, lines), "--label-key", "label", "--rm-type", "math"]
+
+
+def _parquet(tmp_path: Path) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": ["a", "b"], "label": ["1", "2"]}), tmp_path / "data.parquet")
+    return ["--prompt-data", str(tmp_path / "data.parquet"), "--label-key", "label", "--rm-type", "math"]
+
+
+def _corrupt_checkpoint(tmp_path: Path, tiny: Path) -> list[str]:
+    bad = tmp_path / "corrupt"
+    bad.mkdir()
+    for file in tiny.iterdir():
+        (bad / file.name).write_bytes(file.read_bytes())
+    (bad / "config.json").write_text('{"model_type": "qwen2", "hidden_size": 64,')
+    return ["--hf-checkpoint", str(bad)]
+
+
+def _other_model_checkpoint(tmp_path: Path, tiny: Path) -> list[str]:
+    other = make_tiny_checkpoint(tmp_path / "other", hidden=32)
+    actor = tmp_path / "ckpt" / "iter_0000000" / "actor"
+    actor.mkdir(parents=True)
+    (actor / "model.safetensors").write_bytes((other / "model.safetensors").read_bytes())
+    (actor.parent / "rollout_state.pt").write_bytes(b"")
+    return ["--load", str(tmp_path / "ckpt")]
+
+
+def _sync_reward(tmp_path: Path, tiny: Path) -> list[str]:
+    plugin = tmp_path / "sync_reward.py"
+    plugin.write_text("from slimecore import hookimpl\n\n\n@hookimpl\ndef slime_reward(config, sample):\n    return 1.0\n")
+    return ["--plugin", str(plugin)]
+
+
+BEFORE_RAY = {
+    "malformed jsonl line": (lambda t, c: _own_data(t, lines=["{not json\n"]),
+                             ["data.jsonl, line 5: invalid JSON", "each line must be one JSON object"]),
+    "rows without the label key": (lambda t, c: _own_data(t, rows=ROWS + [{"input": "x"}]),
+                                   ["line 5: no key 'label'", "set --label-key"]),
+    "unknown --input-key": (lambda t, c: _own_data(t) + ["--input-key", "question"],
+                            ["line 1: no key 'question'", "set --input-key to the key holding the prompt"]),
+    "empty prompt file": (lambda t, c: _own_data(t, rows=[]), ["has no rows", "fill it"]),
+    "missing prompt file": (lambda t, c: ["--prompt-data", str(t / "nope.jsonl"), "--rm-type", "math"],
+                            ["nope.jsonl does not exist", "check the path"]),
+    "bad parquet column": (lambda t, c: _parquet(t), ["data.parquet, row 1: no key 'input'", "set --input-key"]),
+    "bad slice": (lambda t, c: ["--prompt-data", _jsonl(t / "d.jsonl", ROWS) + "@[10:20]", "--rm-type", "math"],
+                  ["the slice selects none of the 4 rows", "use a range within 0..4"]),
+    "bad chat role": (lambda t, c: _own_data(t, rows=[{"input": [{"role": "human", "content": "hi"}], "label": "1"}])
+                      + ["--apply-chat-template"], ["message 1 has role 'human'", "among system, user, assistant"]),
+    "corrupt --hf-checkpoint": (_corrupt_checkpoint, ["config.json cannot be loaded", "restore it"]),
+    "--load of another model's shape": (_other_model_checkpoint,
+                                        ["was saved from another model than --hf-checkpoint", "model.embed_tokens"]),
+    "unwritable --save": (lambda t, c: ["--save", _jsonl(t / "file.jsonl", []) + "/ckpt"],
+                          ["--save", "cannot write there", "choose a directory you can write to"]),
+    "sync def slime_reward": (_sync_reward, ["plugin 'sync_reward'", "slime_reward must be declared with `async def`"]),
+    "--num-rollout -1": (lambda t, c: ["--num-rollout", "-1"], ["--num-rollout must be >= 1", "omit it"]),
+    "--num-rollout 0": (lambda t, c: ["--num-rollout", "0"], ["--num-rollout must be >= 1"]),
+    "own data without --rm-type": (lambda t, c: ["--prompt-data", _jsonl(t / "d.jsonl", ROWS), "--label-key", "label"],
+                                   ["line 1: no reward type for your own data", "Set --rm-type", "rm_type"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BEFORE_RAY))
+def test_bad_input_fails_before_ray_with_one_clear_message(case, tiny_checkpoint, tmp_path):
+    make_args, expected = BEFORE_RAY[case]
+    proc, seconds, stderr = _train(_args(tiny_checkpoint, tmp_path, *make_args(tmp_path, tiny_checkpoint)),
+                                   timeout(10))
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    for text in expected:
+        assert text in stderr, (text, proc.stderr[-3000:])
+    assert "Started a local Ray instance" not in stderr and "Traceback" not in stderr
+    assert seconds < timeout(10), f"{case}: failed after {seconds:.1f}s"
+
+
+# -- inside a run --------------------------------------------------------------------------------------
+
+
+def _dead_url() -> str:
+    from slimecore.engines.router import free_port
+
+    return f"http://127.0.0.1:{free_port()}/reward"  # nothing listens there
+
+
+def _import_fails_in_workers(tmp_path: Path) -> list[str]:
+    plugin = tmp_path / "driver_only.py"
+    plugin.write_text(
+        "from ray._private.worker import WORKER_MODE, global_worker\n\n"
+        "if global_worker.mode == WORKER_MODE:\n"
+        "    raise ImportError(\"No module named 'gpu_only_dep' (installed on the driver only)\")\n")
+    return ["--plugin", str(plugin)]
+
+
+IN_RUN = {
+    "reward raises on every sample": (
+        lambda t: ["--plugin", FAULTY, "--fault", "reward-raises"],
+        ["4 of 4 samples failed to be scored, more than --max-reward-failure-fraction 0.5",
+         "plugin 'faulty_plugin' raised in slime_reward: ValueError: the judge cannot parse sample",
+         "raise --max-reward-failure-fraction", "process RolloutManager.generate"]),
+    "reward never returns": (
+        lambda t: ["--plugin", FAULTY, "--fault", "reward-hangs", "--reward-timeout", "1"],
+        ["4 of 4 samples failed to be scored", "slime_reward: TimeoutError: no answer within --reward-timeout 1s"]),
+    "filter drops every group": (
+        lambda t: ["--plugin", FAULTY, "--fault", "drop-all", "--max-filter-rounds", "3"],
+        ["group filters dropped", "groups in 3 over-sampling rounds and accepted 0 of 2",
+         "plugin 'faulty_plugin' dropped", "(never_good_enough)", "raise --max-filter-rounds"]),
+    "remote reward server down": (
+        lambda t: ["--prompt-data", _jsonl(t / "d.jsonl", ROWS), "--label-key", "label", "--rm-type", "remote_rm",
+                   "--rm-url", _dead_url(), "--rm-max-retries", "2", "--rm-retry-delay", "0.05"],
+        ["samples failed to be scored", "remote_rm: POST http://127.0.0.1:", "failed after 2 attempt(s)",
+         "Fix the reward (or its service: --rm-url, --rm-type)"]),
+    "plugin fails to import in a Ray worker": (
+        _import_fails_in_workers,
+        ["driver_only.py' (file", "failed to import: ImportError: No module named 'gpu_only_dep'",
+         "Fix the error in the plugin", "process RolloutManager.__init__"]),
+    "placement the cluster cannot hold": (
+        lambda t: ["--num-cpus-per-actor", "64"],
+        ["the cluster cannot hold this run", "CPU (the cluster has", "Lower --num-cpus-per-actor"]),
+}
+
+
+@pytest.mark.parametrize("case", list(IN_RUN))
+def test_a_fault_inside_the_run_stops_it_with_the_original_message(case, tiny_checkpoint, tmp_path):
+    make_args, expected = IN_RUN[case]
+    proc, seconds, stderr = _train(_args(tiny_checkpoint, tmp_path, *make_args(tmp_path)), timeout(120))
+    assert proc.returncode in (1, 2), proc.stderr[-4000:]
+    last = " ".join(proc.stderr[proc.stderr.rindex("\nerror:"):].split())  # the one message, printed at the end
+    for text in expected:
+        assert text in last, (text, proc.stderr[-4000:])
+    assert "UnserializableException" not in stderr
+    assert seconds < timeout(120), f"{case}: failed after {seconds:.1f}s"
+
+
+# -- clean ends ----------------------------------------------------------------------------------------
+
+
+def _marked_processes(mark: str) -> list[int]:
+    """Processes whose environment carries ``mark``: the run's driver and everything it started (Ray's
+    processes, the actors, the router) inherit it."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if mark.encode() in (entry / "environ").read_bytes():
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_mid_run_stops_everything_within_15s(tiny_checkpoint, tmp_path):
+    mark = f"SLIMECORE_TEST_RUN_MARK={uuid.uuid4().hex}"
+    key, value = mark.split("=")
+    assert _marked_processes(mark) == []
+    log = tmp_path / "log" / "metrics.jsonl"
+    proc = subprocess.Popen(_args(tiny_checkpoint, tmp_path, "--task", "compare", "--num-rollout", "1000"),
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            env={**os.environ, key: value})
+    try:
+        deadline = time.monotonic() + timeout(180)
+        while not (log.is_file() and log.read_text().strip()) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None and log.is_file(), "the run did not reach its first step"
+        running = _marked_processes(mark)
+        assert len(running) > 3  # the driver, Ray's own processes, the rollout manager, engines, trainer, router
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=timeout(60))
+        seconds = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
+    assert "interrupted (SIGTERM): the step in flight was abandoned" in " ".join(stderr.split())
+    assert seconds < timeout(15), f"exited {seconds:.1f}s after SIGTERM"
+    time.sleep(1)  # processes reparented to init are reaped asynchronously
+    left = _marked_processes(mark)
+    assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in left if Path(f"/proc/{p}").exists()]
