@@ -1,5 +1,6 @@
 """Checkpoints: ``{save}/iter_{N:07d}/`` holds the trainer state (model as HF safetensors, optimizer,
-RNG) and the rollout state (data-source position and buffer, weight version). The marker file
+RNG), the rollout state (data-source position and buffer, weight version) and, with ``--save-hf``, the model
+as an HF checkpoint in ``hf/``; ``--keep-last-n`` deletes older ones. The marker file
 ``latest_checkpointed_iteration.txt`` is written last, atomically, so a run killed mid-save resumes
 from the previous complete checkpoint.
 """
@@ -7,6 +8,7 @@ from the previous complete checkpoint.
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -36,6 +38,8 @@ def save(config, rollout_id: int, policy_version: int, train_groups: dict, rollo
     directory.mkdir(parents=True, exist_ok=True)
     for role, group in train_groups.items():
         group.save(str(directory / role))
+    if config.save_hf and "actor" in train_groups:
+        train_groups["actor"].save_hf(str(directory / "hf"))
     data_state = ray_get(rollout_manager.data_state.remote(rollout_id), "the rollout manager's data state",
                          config.ray_timeout)
     tmp = directory / "rollout_state.pt.tmp"
@@ -44,6 +48,27 @@ def save(config, rollout_id: int, policy_version: int, train_groups: dict, rollo
     marker_tmp = Path(config.save) / (MARKER + ".tmp")
     marker_tmp.write_text(str(rollout_id))
     os.replace(marker_tmp, Path(config.save) / MARKER)
+    if config.keep_last_n:
+        prune(config.save, config.keep_last_n)
+    return directory
+
+
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints (never one newer than the marker: it may be
+    being written); return what was deleted."""
+    last = latest_iteration(root)
+    done = sorted((int(p.name[len("iter_"):]), p) for p in Path(root).glob("iter_*")
+                  if p.name[len("iter_"):].isdigit() and last is not None and int(p.name[len("iter_"):]) <= last)
+    doomed = [p for _, p in done[:-keep]]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def save_final(config, actor) -> Path:
+    """The trained model as an HF checkpoint in the run folder's ``final/`` (``slimecore.export``)."""
+    directory = Path(config.log_dir) / "final"
+    actor.save_hf(str(directory))
     return directory
 
 
@@ -65,4 +90,4 @@ def load(config, train_groups: dict, rollout_manager) -> tuple[int, int]:
     return last + 1, state["policy_version"]
 
 
-__all__ = ["save", "load", "latest_iteration", "iteration_dir"]
+__all__ = ["save", "load", "latest_iteration", "iteration_dir", "prune", "save_final"]
