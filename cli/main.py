@@ -79,7 +79,8 @@ def train(ctx):
     from slimecore.loop import run
     from slimecore.runs import create_run_dir
 
-    logging.basicConfig(level=config.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # other libraries: warnings only
+    logging.getLogger("slimecore").setLevel(config.log_level.upper())
     run_dir = create_run_dir(config)
     console.print(f"run folder: {run_dir} (config.yaml replays this run: slime-core train --config "
                   f"{run_dir / 'config.yaml'})", highlight=False)

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.syntax import Syntax
 from rich.table import Table
 
-from slimecore.runs import RUNS_ROOT, list_run_dirs, resolve_run, run_info
+from slimecore.runs import RUNS_ROOT, list_run_dirs, plugin_label, resolve_run, run_info
 
 console = Console(stderr=True, soft_wrap=True)
 ROOT = click.option("--root", default=str(RUNS_ROOT), show_default=True, type=click.Path(file_okay=False),
@@ -49,8 +49,8 @@ def runs(ctx, root, as_json):
         steps = f"{r['steps']}/{r['num_rollout']}" if r["num_rollout"] else str(r["steps"])
         state = "finished" if r["finished"] and r["summary"].get("completed") else \
             "stopped" if r["finished"] else "running or killed"
-        table.add_row(r["name"], r["started"], ", ".join(map(str, r["plugins"])), steps, _reward(r["final_reward"]),
-                      state)
+        table.add_row(r["name"], r["started"], plugin_label(list(map(str, r["plugins"]))), steps,
+                      _reward(r["final_reward"]), state)
     Console().print(table)
 
 

@@ -39,6 +39,19 @@ def step_line(rollout_id: int, total: int, metrics: dict, eta: float | None) -> 
     return f"[bold]step {rollout_id + 1}/{total}[/] " + "  ".join(parts)
 
 
+def _reroute_log_handlers(streams: tuple, target) -> list[tuple[logging.StreamHandler, object]]:
+    """Point the console log handlers made before the bar (Ray's, the driver's) at ``target``, the live
+    display's stream, so that their lines go above the bar instead of through it; return what to restore."""
+    loggers = [logging.getLogger()] + [lg for lg in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(lg, logging.Logger)]
+    moved = []
+    for handler in {h for lg in loggers for h in lg.handlers}:
+        if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler) \
+                and handler.stream in streams:
+            moved.append((handler, handler.setStream(target)))
+    return moved
+
+
 class RunDisplay:
     """The loop's ``on_stage`` / ``on_step`` callbacks, drawn live or as plain lines."""
 
@@ -49,6 +62,7 @@ class RunDisplay:
         self.step_times: list[float] = []
         self.progress: Progress | None = None
         self.task = None
+        self.rerouted: list = []
 
     def __enter__(self) -> "RunDisplay":
         if self.live:
@@ -56,13 +70,18 @@ class RunDisplay:
                                      MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[eta]}"),
                                      TextColumn("{task.fields[last]}"), console=self.console,
                                      redirect_stdout=True, redirect_stderr=True)
-            self.progress.start()
+            streams = (sys.stdout, sys.stderr)
+            self.progress.start()  # from here sys.stdout / sys.stderr print above the bar
+            self.rerouted = _reroute_log_handlers(streams, sys.stderr)
             self.task = self.progress.add_task("steps", total=self.total, stage="starting engines and trainers",
                                                eta="", last="")
         return self
 
     def __exit__(self, *exc) -> None:
         if self.progress:
+            for handler, stream in self.rerouted:
+                handler.setStream(stream)
+            self.progress.update(self.task, stage="done" if exc[0] is None else "stopped")
             self.progress.stop()
 
     def stage(self, name: str, rollout_id: int) -> None:

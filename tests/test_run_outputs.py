@@ -8,6 +8,7 @@ from __future__ import annotations
 import datetime
 import io
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -146,7 +147,7 @@ def test_plain_lines_when_not_a_terminal_and_log_levels():
 
 def _cli(cwd: Path, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     proc = subprocess.run([sys.executable, "-m", "slimecore_cli", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=cwd)
+                          timeout=timeout, cwd=cwd, env={**os.environ, "COLUMNS": "200"})  # tables unabridged
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     return proc
 
@@ -165,14 +166,15 @@ def finished_run(tiny_checkpoint, tmp_path_factory):
     proc = _cli(cwd, "train", "--plugin", "grpo", "--hf-checkpoint", str(tiny_checkpoint), "--rollout-batch-size",
                 "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "8", "--lr", "1e-3",
                 "--num-rollout", "3", "--apply-chat-template", "--no-use-tensorboard", "--log-samples", "3",
-                "--save", "ckpt", "--save-interval", "1", "--save-hf", "--keep-last-n", "2")
+                "--save", "ckpt", "--save-interval", "1", "--save-hf", "--keep-last-n", "2",
+                "--plugin", str(Path(__file__).with_name("digits_reward_plugin.py")))  # dense: the weights move
     return cwd, proc
 
 
 def test_a_run_leaves_a_folder_with_everything_in_it(finished_run, tiny_checkpoint):
     cwd, proc = finished_run
     [run] = [p for p in (cwd / "runs").iterdir() if not p.is_symlink()]
-    assert run.name.endswith("-grpo") and (cwd / "runs" / "latest").resolve() == run.resolve()
+    assert run.name.endswith("-grpo+digits_reward_plugin") and (cwd / "runs" / "latest").resolve() == run.resolve()
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png", "final"):
         assert (run / name).exists(), name
     # the console: plain step lines (stdout/stderr are pipes here), then the summary with the paths
@@ -217,7 +219,7 @@ def test_runs_list_show_plot_and_replay(finished_run, tiny_checkpoint):
     cwd, _ = finished_run
     [run] = [p for p in (cwd / "runs").iterdir() if not p.is_symlink()]
     [row] = json.loads(_cli(cwd, "runs", "--json").stdout)
-    assert row["name"] == run.name and row["plugins"] == ["grpo"] and row["steps"] == 3 and row["num_rollout"] == 3
+    assert row["name"] == run.name and row["plugins"][0] == "grpo" and row["steps"] == 3 and row["num_rollout"] == 3
     assert row["finished"] and row["final_reward"] == json.loads((run / "summary.json").read_text())["final_reward"]
     table = _cli(cwd, "runs").stdout
     assert run.name in table and "finished" in table
