@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 import signal
 import sys
 
@@ -74,12 +75,20 @@ def train(ctx):
     if config.train_iters is None and config.num_rollout:
         config.train_iters = config.num_rollout * config.rollout_batch_size * config.n_samples_per_prompt \
             // config.global_batch_size
-    _set_log_level(config.log_level)
     hooks.startup(config=config, process="driver")
+    from slimecore.display import RunDisplay
     from slimecore.loop import run
+    from slimecore.runs import create_run_dir
 
+    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # other libraries: warnings only
+    logging.getLogger("slimecore").setLevel(config.log_level.upper())
+    run_dir = create_run_dir(config)
+    console.print(f"run folder: {run_dir} (config.yaml replays this run: slime-core train --config "
+                  f"{run_dir / 'config.yaml'})", highlight=False)
+    display = RunDisplay(console, config.num_rollout, config.log_level)
     try:
-        run(config, hooks, on_step=_print_step)
+        with display:
+            run(config, hooks, on_step=display.step, on_stage=display.stage)
     except KeyboardInterrupt as exc:
         name = str(exc) or "SIGINT"
         console.print(f"[bold red]interrupted ({name}):[/] the step in flight was abandoned; engines, router and "
@@ -87,12 +96,7 @@ def train(ctx):
         sys.exit(128 + getattr(signal, name, signal.SIGINT))
     except Exception as exc:
         _report(exc, config.log_level == "debug")
-
-
-def _set_log_level(level: str) -> None:
-    import logging
-
-    logging.basicConfig(level=level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    display.summary(json.loads((run_dir / "summary.json").read_text()))
 
 
 def _report(exc: Exception, debug: bool) -> None:
@@ -124,16 +128,6 @@ def _not_needed(config) -> list[str]:
     if config.debug_rollout_only:
         return ["slime_compute_advantages", "slime_loss"]
     return []
-
-
-def _print_step(rollout_id: int, total: int, m: dict) -> None:
-    keys = [("reward", "rollout/raw_reward"), ("len", "rollout/response_length"), ("loss", "train/loss"),
-            ("kl", "train/ppo_kl"), ("lp_diff", "train/train_rollout_logprob_abs_diff")]
-    parts = [f"{name}={m[key]:.4g}" for name, key in keys if key in m]
-    parts += [f"{name} {m[key]:.1f}s" for name, key in [("rollout", "perf/rollout_time"), ("train", "perf/actor_train_time"),
-                                                       ("step", "perf/step_time")] if key in m]
-    evals = [f"{k}={v:.3f}" for k, v in m.items() if k.startswith("eval/") and not k.endswith("ratio")]
-    console.print(f"[bold]step {rollout_id + 1}/{total}[/] " + "  ".join(parts + evals))
 
 
 @cli.command()
@@ -301,3 +295,9 @@ def megatron_to_hf(load, hf_checkpoint, output, specs):
     except (ConfigError, PluginError, FileNotFoundError) as exc:
         _fail(exc)
     console.print(f"wrote HF safetensors, config and tokenizer to {out}")
+
+
+from slimecore_cli.runs import plot, runs  # noqa: E402  (after `cli`, which they join)
+
+cli.add_command(runs)
+cli.add_command(plot)

@@ -1,14 +1,16 @@
 """Checkpoints: ``{save}/iter_{N:07d}/`` holds the trainer state (model as HF safetensors, optimizer,
-RNG) and the rollout state (data-source position and buffer, weight version). ``rollout_state.pt`` is
-written after every role's state and the marker file ``latest_checkpointed_iteration.txt`` last, each
-atomically (temp file + rename), so an iteration directory with ``rollout_state.pt`` is complete. ``--load``
-takes the newest complete one and says so when it skips one a killed run left half-written.
+RNG), the rollout state (data-source position and buffer, weight version) and, with ``--save-hf``, the model
+as an HF checkpoint in ``hf/``; ``--keep-last-n`` deletes older ones. ``rollout_state.pt`` is written after
+every role's state and the marker file ``latest_checkpointed_iteration.txt`` last, each atomically (temp
+file + rename), so an iteration directory with ``rollout_state.pt`` is complete. ``--load`` takes the newest
+complete one and says so when it skips one a killed run left half-written.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -38,12 +40,35 @@ def save(config, rollout_id: int, policy_version: int, train_groups: dict, rollo
     directory.mkdir(parents=True, exist_ok=True)
     for role, group in train_groups.items():
         group.save(str(directory / role))
+    if config.save_hf and "actor" in train_groups:
+        train_groups["actor"].save_hf(str(directory / "hf"))
     data_state = ray_get(rollout_manager.data_state.remote(rollout_id), "the rollout manager's data state",
                          config.ray_timeout)
     tmp = directory / f"{COMPLETE}.tmp"
     torch.save({"rollout_id": rollout_id, "data_state": data_state, "policy_version": policy_version}, tmp)
     os.replace(tmp, directory / COMPLETE)
     atomic_write_text(Path(config.save) / MARKER, str(rollout_id))
+    if config.keep_last_n:
+        prune(config.save, config.keep_last_n)
+    return directory
+
+
+def prune(root: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest ``keep`` complete checkpoints (never one newer than the marker: it may be
+    being written); return what was deleted."""
+    last = latest_complete(root)
+    done = sorted((int(p.name[len("iter_"):]), p) for p in Path(root).glob("iter_*")
+                  if p.name[len("iter_"):].isdigit() and int(p.name[len("iter_"):]) <= last)
+    doomed = [p for _, p in done[:-keep]]
+    for path in doomed:
+        shutil.rmtree(path)
+    return doomed
+
+
+def save_final(config, actor) -> Path:
+    """The trained model as an HF checkpoint in the run folder's ``final/`` (``slimecore.export``)."""
+    directory = Path(config.log_dir) / "final"
+    actor.save_hf(str(directory))
     return directory
 
 
@@ -80,4 +105,4 @@ def load(config, train_groups: dict, rollout_manager) -> tuple[int, int]:
     return last + 1, state["policy_version"]
 
 
-__all__ = ["save", "load", "latest_complete", "iteration_dir", "atomic_write_text"]
+__all__ = ["save", "load", "latest_complete", "iteration_dir", "atomic_write_text", "prune", "save_final"]

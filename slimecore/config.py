@@ -232,15 +232,25 @@ CORE_OPTIONS: list[Option] = [
     _O("save_interval", int, None, "Save every N steps (and at the last step).", group="checkpoint"),
     _O("load", str, None, "Resume from this checkpoint directory.", group="checkpoint"),
     _O("no_save_optim", bool, False, "Do not save optimizer state.", group="checkpoint"),
+    # -- what a run leaves behind (slimecore.runs, slimecore.export)
+    _O("save_hf", bool, False, "Also write every --save checkpoint as an HF model in iter_N/hf/ (save_pretrained "
+       "weights, config, generation config, tokenizer; LoRA merged). The run folder's final/ is always written.",
+       group="checkpoint"),
+    _O("keep_last_n", int, None, "Keep only the newest N checkpoints under --save; older iter_* are deleted after "
+       "each save.", group="checkpoint"),
+    _O("log_samples", int, 8, "Samples per step written to samples.jsonl in the run folder (prompt, response, reward, "
+       "status); 0: none, -1: all.", group="logging"),
+    _O("log_level", str, "info", "Console and driver log level: debug adds the stage each step is in and the "
+       "traceback of the error that stopped a run, warning keeps only warnings and the end-of-run summary.", choices=("debug", "info", "warning", "error"), group="logging"),
     # -- logging
-    _O("log_dir", str, "runs/latest", "Directory for metrics.jsonl and TensorBoard event files.", group="logging"),
+    _O("log_dir", str, None, "Run folder: metrics.jsonl, config.yaml, samples.jsonl, TensorBoard events, curves.png "
+       "and the final model. Default: a new runs/<date>-<time>-<plugins>/, with runs/latest pointing at it.",
+       group="logging"),
     _O("use_tensorboard", bool, True, "Write TensorBoard events under --log-dir.", group="logging"),
     _O("use_wandb", bool, False, "Log to Weights & Biases (if installed).", group="logging"),
     _O("wandb_project", str, "slime-core", "W&B project.", group="logging"),
     _O("wandb_group", str, None, "W&B group.", group="logging"),
     _O("wandb_mode", str, None, "W&B mode (online/offline/disabled).", group="logging"),
-    _O("log_level", str, "info", "Log level of the driver; debug also prints the traceback of the error that "
-       "stopped a run.", choices=("debug", "info", "warning", "error"), group="logging"),
     # -- debug
     _O("debug_rollout_only", bool, False, "Generate and score only; no training.", group="debug"),
     _O("debug_train_only", bool, False, "Train only, with no inference engines: the data source and the rollout "
@@ -402,10 +412,69 @@ def _load_yaml(path: str) -> dict:
     return data
 
 
+def _yaml_key_lines(path: str) -> dict[tuple[str, ...], int]:
+    """1-based line of every key in the top-level mapping and in the mappings one level down, by key path."""
+    import yaml
+
+    lines: dict[tuple[str, ...], int] = {}
+    root = yaml.compose(Path(path).read_text(), Loader=yaml.SafeLoader)
+    for key, value in root.value if isinstance(root, yaml.MappingNode) else ():
+        lines[(key.value,)] = key.start_mark.line + 1
+        for sub, _ in value.value if isinstance(value, yaml.MappingNode) else ():
+            lines[(key.value, sub.value)] = sub.start_mark.line + 1
+    return lines
+
+
+def _type_name(option: Option) -> str:
+    if option.choices:
+        return "one of " + ", ".join(map(str, option.choices))
+    one, many = {bool: ("true or false", "true/false values"), int: ("an integer", "integers"),
+                 float: ("a number", "numbers"), str: ("a string", "strings"),
+                 json_value: ("a JSON / YAML value", "values")}.get(option.type, (option.type.__name__,) * 2)
+    return f"a list of {many}" if option.nargs else one
+
+
+def _convert_scalar(option: Option, value: Any) -> Any:
+    """One YAML scalar as the flag's type would read it; ``ValueError`` when it is not one."""
+    if option.type is bool:
+        if not isinstance(value, bool):
+            raise ValueError
+        return value
+    if option.type is json_value:
+        return json_value(value) if isinstance(value, str) else value
+    if isinstance(value, (bool, list, dict)):  # YAML gives bools, lists and mappings for these on its own
+        raise ValueError
+    if option.type is int and isinstance(value, float):
+        raise ValueError  # 2.5 is not an integer; int() would silently truncate it
+    value = option.type(value if isinstance(value, str) or option.type in (int, float) else str(value))
+    if option.choices and value not in option.choices:
+        raise ValueError
+    return value
+
+
+def yaml_value(option: Option, value: Any, where: str) -> Any:
+    """A ``--config`` value converted and checked with the flag's own type, nargs and choices, so ``lr: 1e-5``
+    (a string to YAML) becomes a float and ``lr: four`` fails here, before Ray starts, naming ``where``
+    (file, line, key) and what the flag takes."""
+    if value is None and option.default is None:
+        return None
+    try:
+        if option.nargs and option.type is not json_value:
+            return [_convert_scalar(option, v) for v in (value if isinstance(value, list) else [value])]
+        return _convert_scalar(option, value)
+    except (ValueError, TypeError, argparse.ArgumentTypeError):
+        raise ConfigError(f"{where}: expected {_type_name(option)} (as {option.flag} takes), got {value!r}") from None
+
+
 def _yaml_defaults(path: str, plugin_options: dict[str, tuple[Option, list[str]]]) -> tuple[dict, list[str], dict]:
-    """Turn a YAML file into argparse dests. Keys: core option names, plugin names mapping to their
-    options, ``plugin`` (list), ``sglang`` (mapping)."""
+    """Turn a YAML file into argparse dests, typed like the flags. Keys: core option names, plugin names
+    mapping to their options, ``plugin`` (list), ``sglang`` (mapping)."""
     data = _load_yaml(path)
+    lines = _yaml_key_lines(path)
+
+    def where(*keys) -> str:
+        line = lines.get(tuple(map(str, keys)))
+        return f"{path}" + (f" line {line}" if line else "") + f": {'.'.join(map(str, keys))}"
     values: dict[str, Any] = {}
     plugins = data.pop("plugin", data.pop("plugins", [])) or []
     plugins = [plugins] if isinstance(plugins, str) else list(plugins)
@@ -424,11 +493,11 @@ def _yaml_defaults(path: str, plugin_options: dict[str, tuple[Option, list[str]]
                     hint = difflib.get_close_matches(subname, owners_to_names[name], n=1)
                     raise ConfigError(f"{path}: plugin {name!r} has no option {sub!r}"
                                       + (f" (did you mean {hint[0]!r}?)" if hint else ""))
-                values["plugin." + subname] = subvalue
+                values["plugin." + subname] = yaml_value(plugin_options[subname][0], subvalue, where(key, sub))
         elif name in CORE_BY_NAME:
-            values[name] = value
+            values[name] = yaml_value(CORE_BY_NAME[name], value, where(key))
         elif name in plugin_options:
-            values["plugin." + name] = value
+            values["plugin." + name] = yaml_value(plugin_options[name][0], value, where(key))
         else:
             hint = difflib.get_close_matches(name, known, n=1)
             raise ConfigError(f"{path}: unknown key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
@@ -640,8 +709,11 @@ def validate_core(config: Config) -> None:
         value = getattr(c, name)
         if value is not None and value <= 0:
             raise ConfigError(f"{CORE_BY_NAME[name].flag} must be > 0 seconds, got {value}")
-    if c.save_interval is not None and not c.save:
-        raise ConfigError("--save-interval needs --save DIR")
+    for name in ("save_interval", "save_hf", "keep_last_n"):
+        if getattr(c, name) and not c.save:
+            raise ConfigError(f"{CORE_BY_NAME[name].flag} needs --save DIR")
+    if c.keep_last_n is not None and c.keep_last_n < 1:
+        raise ConfigError(f"--keep-last-n must be >= 1, got {c.keep_last_n}")
     validate_engines(c)
 
 

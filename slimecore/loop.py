@@ -25,10 +25,13 @@ from slimecore.trainers.actor import TrainGroup
 
 log = logging.getLogger("slimecore.loop")
 StepCallback = Callable[[int, int, dict], None]
+StageCallback = Callable[[str, int], None]  # (stage, rollout_id): start generate train sync save eval export
 
 
-def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> list[dict]:
-    """Run the whole job; returns the metrics of every step (also written under ``--log-dir``)."""
+def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None,
+        on_stage: StageCallback | None = None) -> list[dict]:
+    """Run the whole job; returns the metrics of every step (also written to the run folder, ``--log-dir``)."""
+    stage = on_stage or (lambda name, rollout_id: None)
     extra_roles = sorted({role for answer in hooks.train_roles(config=config) for role in answer or ()} - {"actor"})
     if set(extra_roles) - {"critic"}:
         raise ConfigError(f"slime_train_roles returned unknown role(s) {sorted(set(extra_roles) - {'critic'})}; the "
@@ -71,6 +74,7 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
 
     history: list[dict] = []
     interrupted = False
+    completed, final_model = False, None
     try:
         sync_weights()  # engines start from the checkpoint on disk; make them serve the trainer's weights
         if start == 0 and not config.skip_eval_before_train and (config.eval_prompt_data or config.eval_config):
@@ -78,6 +82,7 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
         pending = rollout.generate.remote(start, dp_size) if config.train_async and start < num_rollout else None
         for rollout_id in range(start, num_rollout):
             step_start = time.perf_counter()
+            stage("generate", rollout_id)
             if config.train_async:
                 refs, metrics = ray_get(pending, f"rollout {rollout_id}", wait)
                 # generation of the next step overlaps this step's training; it uses weights one step old
@@ -86,6 +91,7 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
                 refs, metrics = ray_get(rollout.generate.remote(rollout_id, dp_size), f"rollout {rollout_id}", wait)
             metrics["perf/rollout_wait_time"] = time.perf_counter() - step_start
             if train is not None:
+                stage("train", rollout_id)
                 if engines_live:
                     weight_updates.before_train(config, groups, rollout)
                 train_start, metrics["timeline/train_start"] = time.perf_counter(), time.time()
@@ -105,14 +111,18 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
                 interval = (rollout_id + 1) % config.update_weights_interval == 0
                 push = actor_updates and (not config.train_async or interval)
                 if engines_live:
+                    if push:
+                        stage("sync", rollout_id)
                     metrics["perf/update_weights_time"] = weight_updates.after_train(config, groups, rollout, version,
                                                                                      push)
             last = rollout_id + 1 == num_rollout
             if config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)):
+                stage("save", rollout_id)
                 save_start = time.perf_counter()
                 checkpoint.save(config, rollout_id, version, groups, rollout)
                 metrics["perf/save_time"] = time.perf_counter() - save_start
             if config.eval_interval and ((rollout_id + 1) % config.eval_interval == 0 or last):
+                stage("eval", rollout_id)
                 metrics.update(evaluate(rollout_id + 1))
             metrics["perf/step_time"] = time.perf_counter() - step_start
             hooks.step_end(config=config, rollout_id=rollout_id, metrics=metrics)
@@ -120,6 +130,10 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
             history.append(metrics)
             if on_step:
                 on_step(rollout_id, num_rollout, metrics)
+        if train is not None:  # the trained model, as an HF checkpoint in the run folder
+            stage("export", num_rollout)
+            final_model = checkpoint.save_final(config, train)
+        completed = True
     except KeyboardInterrupt:  # SIGINT, or SIGTERM through _interrupt
         interrupted = True
         raise
@@ -134,7 +148,7 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None) -> li
             ray_get(rollout.shutdown.remote(), "the rollout manager to shut down", wait)
         ray.util.remove_placement_group(pg)
         hooks.shutdown(config=config, process="driver")
-        tracker.close()
+        tracker.close(completed, final_model)
         release_log_dir(config.log_dir)
     return history
 

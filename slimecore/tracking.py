@@ -12,12 +12,17 @@ import time
 from pathlib import Path
 
 from slimecore.config import Config
+from slimecore.plotting import plot_run
+from slimecore.runs import config_yaml, create_run_dir, read_metrics, summarize, write_summary
 
 
 class Tracker:
+    """The run folder's sinks (``slimecore.runs``): makes the folder and its ``config.yaml``; ``close`` adds
+    ``curves.png`` and ``summary.json``."""
+
     def __init__(self, config: Config, active_plugins: list[str] | None = None):
-        self.dir = Path(config.log_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
+        self.dir = create_run_dir(config)
+        self.config, self.start = config, time.time()
         self.jsonl = (self.dir / "metrics.jsonl").open("a")
         self.tb = self.wandb = None
         if config.use_tensorboard:
@@ -31,8 +36,8 @@ class Tracker:
                 raise RuntimeError("--use-wandb needs the wandb package: pip install 'slime-core[wandb]'") from None
             self.wandb = wandb.init(project=config.wandb_project, group=config.wandb_group, mode=config.wandb_mode,
                                     config=config.to_dict(), dir=str(self.dir))
-        (self.dir / "config.json").write_text(json.dumps(
-            {**config.to_dict(), "active_plugins": active_plugins or []}, indent=1, default=str))
+        loaded = "".join(f"#   {p}\n" for p in active_plugins or [])
+        (self.dir / "config.yaml").write_text(config_yaml(config) + (f"# plugins loaded:\n{loaded}" if loaded else ""))
 
     def log(self, metrics: dict[str, float], rollout_id: int) -> None:
         record = {"rollout/step": rollout_id, "train/step": rollout_id, "time": time.time()}
@@ -47,9 +52,23 @@ class Tracker:
         if self.wandb:
             self.wandb.log(record)
 
-    def close(self) -> None:
+    def close(self, completed: bool, final_model: Path | None = None) -> dict:
+        """Close the sinks, draw ``curves.png`` and write ``summary.json``; return the summary."""
         self.jsonl.close()
         if self.tb:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+        paths = {"run": str(self.dir), "metrics": str(self.dir / "metrics.jsonl")}
+        if final_model:
+            paths["final_model"] = str(final_model)
+        if self.config.save:
+            paths["checkpoints"] = str(self.config.save)
+        if (self.dir / "samples.jsonl").is_file():
+            paths["samples"] = str(self.dir / "samples.jsonl")
+        if read_metrics(self.dir):
+            paths["curves"] = str(plot_run(self.dir))
+        summary = summarize(self.dir, time.time() - self.start, paths)
+        summary["completed"] = completed
+        write_summary(self.dir, summary)
+        return summary

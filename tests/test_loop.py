@@ -50,7 +50,7 @@ def test_sync_loop_runs_and_logprobs_match(tiny_checkpoint, tmp_path):
         for key in ("rollout/raw_reward", "perf/rollout_time", "perf/actor_train_time", "perf/update_weights_time",
                     "train/grad_norm", "perf/step_time"):
             assert key in m, key
-    assert (log_dir / "config.json").is_file()
+    assert (log_dir / "config.yaml").is_file() and (log_dir / "final" / "model.safetensors").is_file()
 
 
 def test_plugins_load_in_every_process_and_lifecycle_hooks_run(tiny_checkpoint, tmp_path):

@@ -21,6 +21,7 @@ from slimecore.config import Config
 from slimecore.errors import check_reward_failures
 from slimecore.plugins import load_for_config
 from slimecore.raytools import ray_get
+from slimecore.runs import write_samples
 from slimecore.types import Sample, Status
 
 log = logging.getLogger("slimecore.rollout")
@@ -141,6 +142,7 @@ class RolloutManager:
         if c.save_debug_rollout_data:
             self._save_debug(rollout_id, samples)
         self.hooks.log_rollout(config=c, rollout_id=rollout_id, samples=samples, metrics=metrics)
+        write_samples(c, rollout_id, samples)  # samples.jsonl in the run folder (--log-samples)
         if c.debug_rollout_only:
             return None, metrics
         return self._to_train_refs(samples, dp_size), metrics

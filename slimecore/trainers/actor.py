@@ -137,6 +137,18 @@ class TrainActor:
         os.replace(tmp, path / "model.safetensors")
         return str(path)
 
+    def save_hf(self, directory: str) -> str | None:
+        """The model as an HF checkpoint in ``directory`` (``slimecore.export``), LoRA merged, with the adapter
+        itself in ``directory/adapter``. Every rank takes part (gathers are collective); rank 0 writes."""
+        from slimecore.export import write_hf_model
+
+        weights = self.named_weights()
+        if weights is not None:
+            write_hf_model(weights, self.config.hf_checkpoint, directory)
+        if self.config.use_lora and hasattr(self.backend, "save_pretrained"):
+            self.backend.save_pretrained(Path(directory) / "adapter")
+        return directory if weights is not None else None
+
     def save(self, directory: str) -> None:
         self.backend.save(directory)
 
@@ -257,6 +269,9 @@ class TrainGroup:
 
     def save(self, directory: str) -> None:
         self._all("save", directory, what=f"train ranks to save a checkpoint in {directory}")
+
+    def save_hf(self, directory: str) -> str:
+        return self._all("save_hf", directory, what=f"rank 0 to write the HF model to {directory}")[0]
 
     def load(self, directory: str) -> None:
         self._all("load", directory, what=f"train ranks to load the checkpoint in {directory}")

@@ -553,14 +553,19 @@ class FSDPTrainer:
         ``optimizer.pt`` (optimizer + LR scheduler; one ``optimizer_rank{r}.pt`` per rank when sharded) unless
         ``--no-save-optim``, and ``rng_rank{r}.pt`` (torch / python / numpy RNG) per rank."""
         path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        state = self._state_dict() if self.sharded else None  # gathering shards is a collective
-        if self.rank == 0:
-            self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
+        self.save_pretrained(path)
         if not self.config.no_save_optim and (self.sharded or self.rank == 0):
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                        path / self._optimizer_file())
         self._save_rng(path)
+
+    def save_pretrained(self, path: Path) -> None:
+        """The model via ``save_pretrained``: the whole model, or with LoRA the adapter only (peft's layout).
+        Collective when sharded; rank 0 writes."""
+        path.mkdir(parents=True, exist_ok=True)
+        state = self._state_dict() if self.sharded else None  # gathering shards is a collective
+        if self.rank == 0:
+            self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
 
     def _rng_state(self) -> dict:
         rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}

@@ -19,6 +19,7 @@ pytestmark = pytest.mark.skipif(
     reason="needs megatron-core, mbridge and the grpo and models plugins (scripts/setup.sh installs them)")
 
 CPU_PLUGIN = str(Path(__file__).with_name("cpu_plugin.py"))
+DIGITS = str(Path(__file__).parent.parent / "digits_reward_plugin.py")
 
 
 def _train(checkpoint: Path, log_dir: Path, *extra: str) -> list[dict]:
@@ -34,7 +35,8 @@ def _train(checkpoint: Path, log_dir: Path, *extra: str) -> list[dict]:
 
 
 def test_grpo_on_megatron_tp2_trains_syncs_weights_and_saves(tiny_checkpoint, tmp_path):
-    steps = _train(tiny_checkpoint, tmp_path / "run", "--num-rollout", "2", "--save", str(tmp_path / "ckpt"))
+    steps = _train(tiny_checkpoint, tmp_path / "run", "--num-rollout", "2", "--save", str(tmp_path / "ckpt"),
+                   "--save-hf", "--plugin", DIGITS)  # a dense reward, so the weights move in two steps
     assert [m["rollout/step"] for m in steps] == [0, 1]
     for m in steps:
         # the engine generated with the weights the trainer exported (TP-gathered, HF names): same log-probs
@@ -47,3 +49,24 @@ def test_grpo_on_megatron_tp2_trains_syncs_weights_and_saves(tiny_checkpoint, tm
     assert meta["tensor_model_parallel_size"] == 2 and meta["iteration"] == 2 and meta["optimizer"]
     assert sorted(p.name for p in actor.glob("rng_rank*.pt")) == ["rng_rank0.pt", "rng_rank1.pt"]
     assert (actor / "torch_dist" / "metadata.json").is_file()
+    _exports_the_trained_model_as_hf(tiny_checkpoint, tmp_path / "run" / "final", tmp_path / "ckpt" / "iter_0000001")
+
+
+def _exports_the_trained_model_as_hf(start: Path, final: Path, last_checkpoint: Path) -> None:
+    """final/ (and --save-hf's hf/) come from the bridge's TP-gathered HF export: the model HF tools load, trained."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer, pipeline
+
+    def weights(directory: Path) -> dict:
+        return {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+
+    exported, initial = weights(final), weights(start)
+    assert {k: v.shape for k, v in exported.items()} == {k: v.shape for k, v in initial.items()}
+    assert not torch.equal(exported["model.layers.0.mlp.up_proj.weight"], initial["model.layers.0.mlp.up_proj.weight"])
+    saved = weights(last_checkpoint / "hf")  # --save-hf at the last step: the same weights
+    assert all(torch.equal(saved[k], v) for k, v in exported.items())
+    assert AutoModelForCausalLM.from_pretrained(final).state_dict()["lm_head.weight"].shape[0] > 0
+    assert AutoTokenizer.from_pretrained(final).chat_template
+    out = pipeline("text-generation", model=str(final))("Which number is larger", max_new_tokens=4, do_sample=False)
+    assert out[0]["generated_text"].startswith("Which number is larger")
