@@ -12,6 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import slimecore
+from slimecore.defaults.reward import check_reward_sources
 
 from slimecore.config import (CORE_BY_NAME, ConfigError, build_parser, collect_plugin_options, flag_text,
                               parse_config, prescan)
@@ -50,8 +51,9 @@ def train(ctx):
             return
         implied = hooks.implied_options()
         config = parse_config(argv, specs, declared, implied, hooks.quickstart_options())
-        hooks.validate_config(config=config)
+        hooks.bind(config).validate_config(config=config)
         hooks.check(skip_required=_not_needed(config))
+        check_reward_sources(hooks, config)
         from slimecore.models import resolve_checkpoint
 
         config.hf_checkpoint = str(resolve_checkpoint(config.hf_checkpoint))
