@@ -42,6 +42,7 @@ DEFAULT_PLUGINS = (
     "slimecore.defaults.data",
     "slimecore.defaults.rollout",
     "slimecore.defaults.reward",
+    "slimecore.defaults.slime_compat",
 )
 log = logging.getLogger("slimecore.plugins")
 
