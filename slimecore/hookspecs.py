@@ -200,7 +200,8 @@ def slime_observation(config: Config, sample: Sample, text: str, turn: int) -> s
 
 @spec(kind="all")
 def slime_process_sample(config: Config, sample: Sample, rollout_id: int, evaluation: bool) -> None:
-    """Inspect or edit a generated sample before its reward. slime: ``--rollout-sample-hook-path``.
+    """Inspect or edit a generated sample before its reward; may be async (it is awaited).
+    slime: ``--rollout-sample-hook-path``.
 
     Called in: rollout, once per generated sample.
     """
