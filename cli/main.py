@@ -57,6 +57,15 @@ def train(ctx):
         from slimecore.models import resolve_checkpoint
 
         config.hf_checkpoint = str(resolve_checkpoint(config.hf_checkpoint))
+        if config.megatron_args:
+            from transformers import AutoConfig
+
+            from slimecore.megatron_args import check_against_hf
+            from slimecore.trainers.megatron import find_bridge
+
+            hf_config = AutoConfig.from_pretrained(config.hf_checkpoint)
+            shape = find_bridge(config, hooks, hf_config) if config.train_backend == "megatron" else None
+            check_against_hf(config, hf_config, shape)
         if config.train_backend == "megatron":
             from slimecore.trainers.megatron import check_startup
 
