@@ -54,7 +54,10 @@ def test_generate_reward_filter_hooks_and_loss_replace_grpos(tiny_checkpoint, wo
                   "--dynamic-sampling-filter-path", M + "filter_odd_groups",
                   "--rollout-sample-hook-path", M + "tag_sample", "--rollout-sample-filter-path", M + "remove_last",
                   "--rollout-data-postprocess-path", M + "postprocess",
-                  "--custom-loss-function-path", M + "custom_loss", "--loss-type", "custom_loss")
+                  "--custom-loss-function-path", M + "custom_loss", "--loss-type", "custom_loss",
+                  "--rollout-all-samples-process-path", M + "all_samples",
+                  "--custom-reward-post-process-path", M + "post_process_rewards",
+                  "--custom-rollout-log-function-path", M + "log_rollout", "--custom-megatron-init-path", M + "init")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     steps = [json.loads(line) for line in (workdir / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(steps) == 2
@@ -62,9 +65,15 @@ def test_generate_reward_filter_hooks_and_loss_replace_grpos(tiny_checkpoint, wo
         assert "train/custom_pg_loss" in step and "train/custom_entropy" in step  # the custom loss trained ...
         assert "train/pg_clipfrac" not in step  # ... instead of grpo's policy loss
         assert step["rollout/dynamic_filter/drop_odd_group"] >= 1
+        assert step["rollout/my_sample_count"] == 4  # the rollout log function's own metric
     calls = _calls(workdir)
     kinds = {c["what"] for c in calls}
-    assert kinds >= {"generate", "reward", "filter", "sample_filter", "postprocess", "loss"}
+    assert kinds >= {"generate", "reward", "filter", "sample_filter", "postprocess", "loss", "post_process",
+                     "log_rollout", "init"}
+    assert {c["backend"] for c in calls if c["what"] == "init"} == {"fsdp"}
+    # every finished group reaches the all-samples function, the odd ones the filter dropped included
+    seen = [i for c in calls if c["what"] == "all_samples" for i in c["group_indices"]]
+    assert any(i % 2 for i in seen) and any(i % 2 == 0 for i in seen)
     assert all(c["status"] in ("completed", "truncated") for c in calls if c["what"] == "generate")
     assert {c["eps_clip"] for c in calls if c["what"] == "reward"} == {0.2}  # grpo's option, under slime's name
     assert {c["loss_type"] for c in calls if c["what"] == "loss"} == {"custom_loss"}
@@ -123,17 +132,59 @@ def test_every_slime_path_flag_is_wired_or_refused():
         assert f"`--{flag.replace('_', '-')}`" in doc, flag
 
 
-def test_bad_paths_fail_before_ray(workdir):
-    (workdir / "sync_rm.py").write_text("def reward_func(args, sample):\n    return 1.0\n")
-    cases = [(["--custom-rm-path", "no_such_module.fn"], "cannot import it (ModuleNotFoundError"),
-             (["--custom-rm-path", "sync_rm.reward_func"], "slime awaits this function, so it must be declared"),
-             (["--custom-rm-path", "sync_rm.missing"], "cannot import it (AttributeError"),
-             (["--custom-tis-function-path", "a.b"], "--custom-tis-function-path is not supported"),
-             (["--loss-type", "custom_loss"], "--loss-type custom_loss needs --custom-loss-function-path")]
-    for flags, message in cases:
-        proc = _train(workdir, "--plugin", "grpo", "--rollout-batch-size", "2", *flags, timeout=120)
-        assert proc.returncode == 2 and message in " ".join(proc.stderr.split()), (flags, proc.stderr[-2000:])
-        assert "Started a local Ray instance" not in proc.stderr
+@pytest.mark.parametrize("flags,message", [
+    ({"custom_rm_path": "no_such_module.fn"}, "cannot import it (ModuleNotFoundError"),
+    ({"custom_rm_path": "sync_rm.reward_func"}, "slime awaits this function, so it must be declared `async def`"),
+    ({"custom_rm_path": "sync_rm.missing"}, "cannot import it (AttributeError"),
+    ({"custom_rm_path": "sync_rm"}, "is not a dotted path"),
+    ({"data_source_path": "sync_rm.reward_func"}, "slime instantiates this path as cls(args); it must name a class"),
+    ({"loss_type": "custom_loss"}, "--loss-type custom_loss needs --custom-loss-function-path"),
+    ({"loss_type": "sft_loss"}, "--loss-type sft_loss: in slime-core that loss is a plugin's: --plugin sft"),
+])
+def test_bad_paths_and_loss_types_are_named(tmp_path, flags, message):
+    (tmp_path / "sync_rm.py").write_text("def reward_func(args, sample):\n    return 1.0\n")
+    with pytest.raises(ConfigError) as err:
+        _validate(slime_sys_path=[str(tmp_path)], **flags)
+    assert message in str(err.value)
+
+
+def test_a_bad_path_fails_before_ray(workdir):
+    proc = _train(workdir, "--plugin", "grpo", "--rollout-batch-size", "2", "--custom-generate-function-path",
+                  M + "no_such_function", timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "--custom-generate-function-path my_slime_functions.no_such_function: cannot import it" in \
+        " ".join(proc.stderr.split())
+    assert "Started a local Ray instance" not in proc.stderr
+
+
+def test_buffer_filter_picks_the_buffered_groups_the_data_source_serves(workdir, tiny_checkpoint):
+    from slimecore.models import load_tokenizer
+
+    config = Config.make(prompt_data=str(workdir / "prompts.jsonl"), label_key="label", n_samples_per_prompt=2,
+                         plugin_values={NAME: {"buffer_filter_path": M + "newest_first", "slime_sys_path": [
+                             str(workdir)], "custom_config_path": str(workdir / "custom.yaml")}})
+    hooks = load_plugins([]).bind(config)
+    source = hooks.data_source(config=config, tokenizer=load_tokenizer(tiny_checkpoint), hooks=hooks)
+    first = source.get_samples(3)
+    source.add_samples(first)  # three aborted groups back in the buffer
+    again = source.get_samples(2)
+    assert [g[0].group_index for g in again] == [2, 1]  # the user's filter: newest first
+    assert [g[0].group_index for g in source.buffer] == [0]
+    assert [(c["rollout_id"], c["taken"]) for c in _calls(workdir) if c["what"] == "buffer_filter"] == [(None, 2)]
+
+
+def test_group_rm_calls_the_batched_form(workdir, monkeypatch):
+    import asyncio
+
+    from slimecore.types import Sample
+
+    config = Config.make(group_rm=True, plugin_values={NAME: {"custom_rm_path": M + "batched_reward_func",
+                                                              "slime_sys_path": [str(workdir)]}})
+    hooks = load_plugins([]).bind(config)
+    assert hooks.plugin_name(hooks.answerer("slime_group_reward")) == NAME and not hooks.is_default(
+        hooks.answerer("slime_group_reward"))
+    samples = [Sample(response="ab"), Sample(response="abcd")]
+    assert asyncio.run(hooks.group_reward(config=config, samples=samples)) == [2.0, 4.0]
 
 
 def test_args_have_slime_names_and_say_what_is_missing(tmp_path):

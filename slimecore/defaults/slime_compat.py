@@ -479,6 +479,18 @@ def slime_rollout_data_postprocess(config, rollout_id, batch):
     _write_back(rollout_data, batch)
 
 
+_HOOKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _process_hooks(config):
+    """The run's plugins in this process, for hooks that get no ``hooks`` argument (loaded once per config)."""
+    if config not in _HOOKS:
+        from slimecore.plugins import load_for_config
+
+        _HOOKS[config] = load_for_config(config)
+    return _HOOKS[config]
+
+
 class ResponseLogits:
     """What a custom loss gets as ``logits``: the trainer computes only the response positions' log-probs and
     entropies (with gradient), so this carries those. ``slime.backends.megatron_utils.loss.
@@ -498,9 +510,7 @@ class ResponseLogits:
 @_when("custom_loss_function_path")
 def slime_loss(config, role, batch, outputs, reducer):
     if role != "actor":  # slime's custom loss is the policy's; a value model keeps its plugin's loss
-        from slimecore.plugins import load_for_config
-
-        hooks = load_for_config(config)
+        hooks = _process_hooks(config)
         return hooks.call("slime_loss", _fallback(hooks, "slime_loss"), config=config, role=role, batch=batch,
                           outputs=outputs, reducer=reducer)
     lengths = list(batch["response_lengths"])

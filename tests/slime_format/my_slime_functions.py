@@ -45,6 +45,11 @@ async def reward_func(args, sample: Sample, **kwargs):
     return sum(ch.isdigit() for ch in sample.response) / max(1, len(sample.response))
 
 
+# --custom-rm-path with --group-rm: the batched form
+async def batched_reward_func(args, samples: list[Sample], **kwargs):
+    return [float(len(sample.response)) for sample in samples]
+
+
 # --dynamic-sampling-filter-path: drop every odd prompt group
 def filter_odd_groups(args, samples: list[Sample], **kwargs):
     rewards = [sample.get_reward_value(args) for sample in samples]
@@ -64,6 +69,39 @@ def remove_last(args, groups: list[list[Sample]]) -> None:
     for group in groups:
         group[-1].remove_sample = True
     _log(args, "sample_filter", groups=len(groups))
+
+
+# --rollout-all-samples-process-path: every finished group, dropped ones included
+def all_samples(args, all_groups: list[list[Sample]], data_source) -> None:
+    _log(args, "all_samples", group_indices=[group[0].group_index for group in all_groups], prompts=len(data_source))
+
+
+# --buffer-filter-path: the newest buffered groups first (aborted groups wait in the buffer)
+def newest_first(args, rollout_id, buffer: list[list[Sample]], num_samples: int) -> list[list[Sample]]:
+    selected = list(reversed(buffer[-num_samples:]))
+    del buffer[-num_samples:]
+    _log(args, "buffer_filter", rollout_id=rollout_id, taken=len(selected))
+    return selected
+
+
+# --custom-reward-post-process-path: rewards centred per group, not divided by the std
+def post_process_rewards(args, samples: list[Sample]):
+    raw = [sample.get_reward_value(args) for sample in samples]
+    groups = torch.tensor(raw, dtype=torch.float32).reshape(-1, args.n_samples_per_prompt)
+    _log(args, "post_process", n=len(raw))
+    return raw, (groups - groups.mean(dim=-1, keepdim=True)).flatten().tolist()
+
+
+# --custom-rollout-log-function-path
+def log_rollout(rollout_id, args, samples, rollout_extra_metrics, rollout_time) -> bool:
+    rollout_extra_metrics["rollout/my_sample_count"] = len(samples)
+    _log(args, "log_rollout", rollout_id=rollout_id, rollout_time=rollout_time)
+    return False
+
+
+# --custom-megatron-init-path
+def init(args) -> None:
+    _log(args, "init", backend=args.train_backend)
 
 
 # --rollout-data-postprocess-path
