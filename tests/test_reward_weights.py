@@ -117,5 +117,5 @@ def test_cli_combines_rewards_in_a_real_run(tiny_checkpoint, plugin_files, tmp_p
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     (step,) = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     parts = step["rollout/reward/length"], step["rollout/reward/mentions"]
-    assert 0.0 <= parts[1] <= 1.0 and parts[0] > 0.0
+    assert 0.0 <= parts[1] <= 1.0 and parts[0] >= 0.0
     assert step["rollout/raw_reward"] == pytest.approx(0.5 * parts[0] + 2.0 * parts[1])

@@ -64,16 +64,19 @@ def test_generate_reward_filter_hooks_and_loss_replace_grpos(tiny_checkpoint, wo
     for step in steps:
         assert "train/custom_pg_loss" in step and "train/custom_entropy" in step  # the custom loss trained ...
         assert "train/pg_clipfrac" not in step  # ... instead of grpo's policy loss
-        assert step["rollout/dynamic_filter/drop_odd_group"] >= 1
         assert step["rollout/my_sample_count"] == 4  # the rollout log function's own metric
     calls = _calls(workdir)
     kinds = {c["what"] for c in calls}
     assert kinds >= {"generate", "reward", "filter", "sample_filter", "postprocess", "loss", "post_process",
                      "log_rollout", "init"}
     assert {c["backend"] for c in calls if c["what"] == "init"} == {"fsdp"}
-    # every finished group reaches the all-samples function, the odd ones the filter dropped included
+    # each odd group the filter saw was dropped and counted (which groups finish before the target is met varies)
+    filtered = [c["group_index"] for c in calls if c["what"] == "filter"]
+    assert sum(step.get("rollout/dynamic_filter/drop_odd_group", 0) for step in steps) == \
+        sum(i % 2 for i in filtered)
+    # every group the filter saw reaches the all-samples function, the dropped ones included
     seen = [i for c in calls if c["what"] == "all_samples" for i in c["group_indices"]]
-    assert any(i % 2 for i in seen) and any(i % 2 == 0 for i in seen)
+    assert sorted(seen) == sorted(filtered) and any(i % 2 == 0 for i in seen)
     assert all(c["status"] in ("completed", "truncated") for c in calls if c["what"] == "generate")
     assert {c["eps_clip"] for c in calls if c["what"] == "reward"} == {0.2}  # grpo's option, under slime's name
     assert {c["loss_type"] for c in calls if c["what"] == "loss"} == {"custom_loss"}
