@@ -14,6 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import slimecore
+from slimecore.defaults.reward import check_reward_sources
 
 from slimecore.config import (CORE_BY_NAME, ConfigError, build_parser, collect_plugin_options, flag_text,
                               parse_config, prescan)
@@ -52,11 +53,21 @@ def train(ctx):
             return
         implied = hooks.implied_options()
         config = parse_config(argv, specs, declared, implied, hooks.quickstart_options())
-        hooks.validate_config(config=config)
+        hooks.bind(config).validate_config(config=config)
         hooks.check(skip_required=_not_needed(config))
+        check_reward_sources(hooks, config)
         from slimecore.models import resolve_checkpoint
 
         config.hf_checkpoint = str(resolve_checkpoint(config.hf_checkpoint))
+        if config.megatron_args:
+            from transformers import AutoConfig
+
+            from slimecore.megatron_args import check_against_hf
+            from slimecore.trainers.megatron import find_bridge
+
+            hf_config = AutoConfig.from_pretrained(config.hf_checkpoint)
+            shape = find_bridge(config, hooks, hf_config) if config.train_backend == "megatron" else None
+            check_against_hf(config, hf_config, shape)
         if config.train_backend == "megatron":
             from slimecore.trainers.megatron import check_startup
 

@@ -267,8 +267,9 @@ class Config:
     plugin's own options, ``config.plugins`` (names to load in every process), ``config.sglang_args``."""
 
     def __init__(self, values: dict, plugin_values: dict[str, dict] | None = None, plugins: Iterable[str] = (),
-                 sglang_args: dict | None = None):
+                 sglang_args: dict | None = None, megatron_args: dict | None = None):
         self.__dict__["_values"] = dict(values)
+        self.__dict__["megatron_args"] = dict(megatron_args or {})  # slimecore.megatron_args: passed through
         self.__dict__["_plugin_values"] = {k: dict(v) for k, v in (plugin_values or {}).items()}
         self.__dict__["plugins"] = list(plugins)
         self.__dict__["sglang_args"] = dict(sglang_args or {})
@@ -292,7 +293,8 @@ class Config:
         return self.to_dict()
 
     def __setstate__(self, state):
-        self.__init__(state["values"], state["plugin_values"], state["plugins"], state["sglang_args"])
+        self.__init__(state["values"], state["plugin_values"], state["plugins"], state["sglang_args"],
+                      state.get("megatron_args"))
 
     def plugin(self, name: str) -> types.SimpleNamespace:
         """Options declared by plugin ``name`` (empty if it declared none)."""
@@ -300,11 +302,13 @@ class Config:
 
     def to_dict(self) -> dict:
         return {"values": dict(self._values), "plugin_values": {k: dict(v) for k, v in self._plugin_values.items()},
-                "plugins": list(self.plugins), "sglang_args": dict(self.sglang_args)}
+                "plugins": list(self.plugins), "sglang_args": dict(self.sglang_args),
+                "megatron_args": dict(self.megatron_args)}
 
     @classmethod
     def from_dict(cls, data: dict) -> "Config":
-        return cls(data["values"], data["plugin_values"], data["plugins"], data["sglang_args"])
+        return cls(data["values"], data["plugin_values"], data["plugins"], data["sglang_args"],
+                   data.get("megatron_args"))
 
     @classmethod
     def make(cls, plugins: Iterable[str] = (), plugin_values: dict | None = None, **overrides) -> "Config":
@@ -498,11 +502,43 @@ def _yaml_defaults(path: str, plugin_options: dict[str, tuple[Option, list[str]]
             values[name] = yaml_value(CORE_BY_NAME[name], value, where(key))
         elif name in plugin_options:
             values["plugin." + name] = yaml_value(plugin_options[name][0], value, where(key))
+        elif _is_megatron_arg(name):
+            values[MEGATRON_PREFIX + name] = value
         else:
             hint = difflib.get_close_matches(name, known, n=1)
             raise ConfigError(f"{path}: unknown key {key!r}" + (f" (did you mean {hint[0]!r}?)" if hint else "")
                               + "; plugin options need their plugin active (plugin: [NAME] in the file or --plugin NAME)")
     return values, plugins, sglang
+
+
+MEGATRON_PREFIX = "megatron."
+
+
+def _is_megatron_arg(name: str) -> bool:
+    from slimecore.megatron_args import known_fields
+
+    try:
+        return name in known_fields()
+    except ImportError:  # megatron-core is not installed
+        return False
+
+
+def _megatron_from_yaml(path: str, file_values: dict) -> dict:
+    """Megatron arguments of a ``--config`` file, checked as their flags are (``--name value``)."""
+    from slimecore.megatron_args import split_megatron_args
+
+    argv = []
+    for key in [k for k in file_values if k.startswith(MEGATRON_PREFIX)]:
+        name, value = key[len(MEGATRON_PREFIX):], file_values.pop(key)
+        flag = "--" + name.replace("_", "-")
+        if isinstance(value, bool):
+            argv.append(flag if value else "--no-" + flag[2:])
+        else:
+            argv += [flag, *(map(str, value) if isinstance(value, list) else [str(value)])]
+    rest, megatron = split_megatron_args(argv)
+    if rest:
+        raise ConfigError(f"{path}: Megatron argument {rest[0]} could not be read")
+    return megatron
 
 
 def prescan(argv: list[str]) -> tuple[list[str], str | None]:
@@ -528,6 +564,9 @@ def parse_config(argv: list[str], plugin_names: list[str], declared: dict[str, l
     argv, sglang_args = _split_sglang_args(list(argv))
     parser = build_parser(plugin_options)
     namespace, unknown = parser.parse_known_args(argv)
+    from slimecore.megatron_args import split_megatron_args
+
+    unknown, megatron_args = split_megatron_args(unknown)
     if unknown:
         flag = next((u for u in unknown if u.startswith("-")), unknown[0])
         flags = [o.flag for o in CORE_OPTIONS] + [o.flag for o, _ in plugin_options.values()]
@@ -540,6 +579,7 @@ def parse_config(argv: list[str], plugin_names: list[str], declared: dict[str, l
     if cli.get("config_file"):
         file_values, _, file_sglang = _yaml_defaults(cli["config_file"], plugin_options)
         sglang_args = {**{k.replace("-", "_"): v for k, v in file_sglang.items()}, **sglang_args}
+        megatron_args = {**_megatron_from_yaml(cli["config_file"], file_values), **megatron_args}
         _apply(values, pvalues, file_values)
         explicit_from_file = set(file_values)
     else:
@@ -552,7 +592,7 @@ def parse_config(argv: list[str], plugin_names: list[str], declared: dict[str, l
             plugin_values.setdefault(owner, {})[name] = pvalues[name]
     for owner in declared:
         plugin_values.setdefault(owner, {})
-    config = Config(values, plugin_values, plugin_names, sglang_args)
+    config = Config(values, plugin_values, plugin_names, sglang_args, megatron_args)
     apply_task_recommendations(config, explicit | explicit_from_file, quickstart or {})
     apply_implied_options(config, implied or {}, explicit | explicit_from_file)
     validate_core(config)

@@ -34,13 +34,15 @@ PROJECT = "slimecore"
 hookspec = pluggy.HookspecMarker(PROJECT)
 
 
-def spec(*, kind: str, required: bool = False, is_async: bool = False):
-    """Declare a hook. ``kind`` is ``all``, ``one`` (one answer) or ``first`` (first answer)."""
-    assert kind in ("all", "one", "first")
+def spec(*, kind: str, required: bool = False, is_async: bool = False, combined: bool = False):
+    """Declare a hook. ``kind`` is ``all``, ``one`` (one answer) or ``first`` (first answer). ``combined``: a
+    one-answer hook several plugins may answer, the core combining their answers."""
+    assert kind in ("all", "one", "first") and (kind == "one" or not combined)
 
     def decorate(func):
         func = hookspec(firstresult=kind != "all")(func)
         func.slime_kind, func.slime_required, func.slime_async = kind, required, is_async
+        func.slime_combined = combined
         return func
 
     return decorate
@@ -198,16 +200,19 @@ def slime_observation(config: Config, sample: Sample, text: str, turn: int) -> s
 
 @spec(kind="all")
 def slime_process_sample(config: Config, sample: Sample, rollout_id: int, evaluation: bool) -> None:
-    """Inspect or edit a generated sample before its reward. slime: ``--rollout-sample-hook-path``.
+    """Inspect or edit a generated sample before its reward; may be async (it is awaited).
+    slime: ``--rollout-sample-hook-path``.
 
     Called in: rollout, once per generated sample.
     """
 
 
-@spec(kind="one", required=True, is_async=True)
+@spec(kind="one", required=True, is_async=True, combined=True)
 async def slime_reward(config: Config, sample: Sample) -> float | dict:
     """Score one finished sample; return a float or a dict (pick the key with ``--reward-key``).
-    The built-in dispatches on ``sample.metadata["rm_type"]`` then ``--rm-type``.
+    The built-in dispatches on ``sample.metadata["rm_type"]`` then ``--rm-type``; a plugin's answer replaces it.
+    Several plugins may answer: their rewards are then summed, weighted by ``--reward-weights`` (TRL's
+    ``reward_funcs`` / ``reward_weights``), and each is logged as ``rollout/reward/<plugin>``.
     slime: ``--custom-rm-path`` / ``--rm-type``.
 
     Called in: rollout, once per sample (unless ``--group-rm``).

@@ -30,7 +30,7 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import pluggy
 
@@ -42,10 +42,22 @@ DEFAULT_PLUGINS = (
     "slimecore.defaults.data",
     "slimecore.defaults.rollout",
     "slimecore.defaults.reward",
+    "slimecore.defaults.slime_compat",
 )
 log = logging.getLogger("slimecore.plugins")
 
 SPECS = {name: fn for name, fn in vars(hookspecs).items() if name.startswith("slime_") and callable(fn)}
+
+
+def active_when(predicate: Callable[[Config], Any]):
+    """Mark a built-in plugin's hookimpl as taking part only in runs where ``predicate(config)`` is true (the
+    slime adapter's functions, each switched on by its ``--*-path`` flag). Switched on, it counts as a choice the
+    user made: for a one-answer hook it answers over every plugin's implementation."""
+    def mark(func):
+        func.slime_active_when = predicate
+        return func
+
+    return mark
 
 
 class PluginError(RuntimeError):
@@ -203,6 +215,12 @@ class Hooks:
         self.plugins = infos
         self._by_module = {id(i.module): i for i in infos}
         self._trace = os.environ.get("SLIMECORE_TRACE_HOOKS", "") not in ("", "0")
+        self.config: Config | None = None  # the run's config, once known: it switches ``active_when`` hookimpls
+
+    def bind(self, config: Config) -> "Hooks":
+        """Use ``config`` to decide which ``active_when`` implementations take part."""
+        self.config = config
+        return self
 
     # -- introspection ---------------------------------------------------------------------
     def plugin_name(self, impl: pluggy.HookImpl) -> str:
@@ -210,18 +228,37 @@ class Hooks:
         return info.name if info else impl.plugin_name
 
     def implementers(self, hook: str) -> list[pluggy.HookImpl]:
-        """Implementations in call order (later-registered plugins first, as pluggy calls them)."""
-        return list(reversed(getattr(self.pm.hook, hook).get_hookimpls()))
+        """Implementations in call order (later-registered plugins first, as pluggy calls them), without the
+        ``active_when`` ones this run does not switch on."""
+        return [i for i in reversed(getattr(self.pm.hook, hook).get_hookimpls()) if self._switched(i) is not False]
+
+    def _switched(self, impl: pluggy.HookImpl) -> bool | None:
+        """None for an ordinary implementation; for an ``active_when`` one, whether this run switches it on."""
+        predicate = getattr(impl.function, "slime_active_when", None)
+        if predicate is None:
+            return None
+        return self.config is not None and bool(predicate(self.config))
 
     def answerer(self, hook: str) -> pluggy.HookImpl | None:
-        """For a one-answer hook: the implementation that will answer (a plugin over the default)."""
-        impls = self.implementers(hook)
-        custom = [i for i in impls if not self._is_default(i)]
-        return (custom or impls or [None])[0]
+        """For a one-answer hook: the implementation that will answer (a switched-on ``active_when`` one, else a
+        plugin over the default)."""
+        return (self.answerers(hook) or [None])[0]
+
+    def answerers(self, hook: str) -> list[pluggy.HookImpl]:
+        """Every implementation that answers a one-answer hook over the built-in default, in activation order
+        (switched-on ``active_when`` ones, then plugins in ``--plugin`` order); else the default alone. Only
+        hooks whose answers are combined (``slime_reward``) use more than the first."""
+        registered = list(reversed(self.implementers(hook)))
+        chosen = [i for i in registered if self._switched(i)] + [i for i in registered if not self._is_default(i)]
+        return chosen or registered[:1]
 
     def is_default(self, impl: pluggy.HookImpl | None) -> bool:
-        """Whether ``impl`` comes from a built-in default plugin (``slimecore.defaults.*``)."""
-        return impl is not None and self._is_default(impl)
+        """Whether ``impl`` is a built-in default (``slimecore.defaults.*``) that no flag switched on."""
+        return impl is not None and self._is_default(impl) and not self._switched(impl)
+
+    def call(self, hook: str, impl: pluggy.HookImpl, **kwargs):
+        """Call one implementation of ``hook`` (an awaitable for async hooks); errors name its plugin."""
+        return self._invoke(hook, impl, kwargs)
 
     def _is_default(self, impl: pluggy.HookImpl) -> bool:
         info = self._by_module.get(id(impl.plugin))
@@ -237,7 +274,7 @@ class Hooks:
         for name, spec_fn in SPECS.items():
             impls = self.implementers(name)
             custom = [self.plugin_name(i) for i in impls if not self._is_default(i)]
-            if spec_fn.slime_kind == "one" and len(custom) > 1:
+            if spec_fn.slime_kind == "one" and len(custom) > 1 and not spec_fn.slime_combined:
                 raise PluginError(
                     f"plugins {', '.join(repr(c) for c in custom)} all implement {name}, which takes one answer; "
                     f"activate only one of them (remove a --plugin), or move one's {name} into a separate plugin")
@@ -400,4 +437,4 @@ def load_plugins(specs: Iterable[str], extra: Iterable[Any] = (), defaults: bool
 
 def load_for_config(config: Config) -> Hooks:
     """What every Ray process calls first: the same plugins as the driver, checked the same way."""
-    return load_plugins(config.plugins)
+    return load_plugins(config.plugins).bind(config)

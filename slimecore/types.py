@@ -86,7 +86,10 @@ class Sample:
         return sum(self.loss_mask) if self.loss_mask is not None else self.response_length
 
     def get_reward_value(self, reward_key: str | None = None) -> float:
-        """The scalar reward; ``reward_key`` picks a field of a dict reward (slime's ``--reward-key``)."""
+        """The scalar reward; ``reward_key`` picks a field of a dict reward (slime's ``--reward-key``). slime's
+        call ``get_reward_value(args)`` works too: the key is then ``args.reward_key``."""
+        if reward_key is not None and not isinstance(reward_key, str):
+            reward_key = getattr(reward_key, "reward_key", None)
         reward = self.reward
         if isinstance(reward, dict):
             if not reward_key:
@@ -104,13 +107,17 @@ class Sample:
     # -- multi-turn building -----------------------------------------------------------------
     def append_response_tokens(
         self,
-        tokens: list[int],
+        new_tokens: list[int] | None = None,
         log_probs: list[float] | None = None,
         *,
         trainable: bool = True,
-        text: str = "",
+        text: str | None = "",
         finish_reason: dict | str | None = None,
         weight_version: str | None = None,
+        tokens: list[int] | None = None,
+        meta_info: dict | None = None,
+        update_terminal_info: bool = True,
+        args: Any = None,
     ) -> None:
         """Append response tokens (model output or tool observation) keeping every list aligned.
 
@@ -118,8 +125,19 @@ class Sample:
         chat-template glue) get mask 0 and log-prob 0.0. ``finish_reason`` (SGLang's
         ``meta_info.finish_reason`` or its ``type``) sets ``status``: length -> TRUNCATED,
         abort -> ABORTED, stop -> COMPLETED.
+
+        slime's form ``append_response_tokens(args, tokens=..., log_probs=..., trainable=..., meta_info=...,
+        text=...)`` is accepted as well: the first argument is then slime's ``args`` (unused), and
+        ``meta_info`` (SGLang's) gives the finish reason and weight version unless ``update_terminal_info`` is
+        False.
         """
-        tokens = [int(t) for t in tokens]
+        if tokens is None:
+            tokens = new_tokens
+        if meta_info is not None and update_terminal_info:
+            finish_reason = finish_reason or meta_info.get("finish_reason")
+            weight_version = weight_version or meta_info.get("weight_version")
+        tokens = [int(t) for t in tokens or ()]
+        text = text or ""
         if trainable:
             if log_probs is None:
                 raise SampleError("append_response_tokens(trainable=True) needs the log-probs of the new tokens")

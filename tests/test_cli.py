@@ -31,8 +31,9 @@ def test_train_help_lists_plugin_options():
 def test_plugins_and_hooks_listings():
     rows = json.loads(run("plugins", "--json").output)
     names = {r["name"]: r for r in rows}
-    assert names["slimecore.defaults.reward"]["hooks"] == ["slime_group_reward", "slime_reward", "slime_shutdown",
-                                                           "slime_validate_config"]
+    assert names["slimecore.defaults.reward"]["hooks"] == ["slime_group_reward", "slime_log_rollout", "slime_options",
+                                                           "slime_reward", "slime_shutdown", "slime_validate_config"]
+    assert "slime_loss" in names["slimecore.defaults.slime_compat"]["hooks"]  # the slime adapter is built in
     assert "slime_loss" in names["grpo"]["hooks"] and names["grpo"]["origin"] == "entry point"
     table = run("plugins").output
     assert "grpo" in table and "entry point" in table and "built-in" in table

@@ -86,12 +86,13 @@ def test_required_hook_without_answer():
 
 
 def test_two_plugins_answering_a_one_answer_hook(tmp_path):
-    a = write_plugin(tmp_path, "reward_a", "@hookimpl\nasync def slime_reward(config, sample):\n    return 1.0\n")
-    b = write_plugin(tmp_path, "reward_b", "@hookimpl\nasync def slime_reward(config, sample):\n    return 0.0\n")
+    # (slime_reward is the exception: several reward plugins are combined, see tests/test_reward_weights.py)
+    body = "@hookimpl\ndef slime_post_process_rewards(config, samples):\n    return [], []\n"
+    a, b = write_plugin(tmp_path, "post_a", body), write_plugin(tmp_path, "post_b", body)
     hooks = load_plugins([a, b])
     with pytest.raises(PluginError) as err:
         hooks.check(skip_required=["slime_compute_advantages", "slime_loss"])
-    assert "'reward_b'" in str(err.value) and "'reward_a'" in str(err.value) and "slime_reward" in str(err.value)
+    assert "'post_b'" in str(err.value) and "'post_a'" in str(err.value) and "slime_post_process_rewards" in str(err.value)
     assert "activate only one" in str(err.value)
 
 

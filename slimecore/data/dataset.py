@@ -1,4 +1,6 @@
-"""Prompt files like slime's: ``.jsonl`` or ``.parquet``, optionally sliced with ``path@[start:end]``.
+"""Prompt files like slime's: ``.jsonl`` or ``.parquet``, optionally sliced with ``path@[start:end]``; also a
+local Hugging Face ``datasets`` directory (``Dataset.save_to_disk``) or a folder of ``.parquet`` / ``.arrow``
+shards (a dataset repository's layout), read with pyarrow alone: ``datasets`` need not be installed.
 
 ``read_rows`` gives ``(where, row)`` pairs, ``where`` being ``"file, line N"`` (jsonl) or ``"file, row N"``
 (parquet), so every later complaint can point at the row. ``to_prompts`` turns rows into prompt records
@@ -71,16 +73,73 @@ def _read_parquet(path: Path) -> list[tuple[str, dict]]:
     return [(f"{path}, row {number}", row) for number, row in enumerate(table.to_pylist(), start=1)]
 
 
+def _read_arrow(path: Path) -> "pyarrow.Table":
+    """One ``.arrow`` shard: the IPC stream format ``datasets`` writes, or the IPC file format."""
+    import pyarrow as pa
+
+    with pa.memory_map(str(path)) as source:
+        try:
+            return pa.ipc.open_stream(source).read_all()
+        except pa.ArrowInvalid:
+            source.seek(0)
+            return pa.ipc.open_file(source).read_all()
+
+
+def _dataset_shards(directory: Path) -> list[Path]:
+    """The data files of a dataset directory, in row order.
+
+    - ``save_to_disk`` of a ``Dataset``: ``state.json`` lists the ``.arrow`` shards;
+    - ``save_to_disk`` of a ``DatasetDict``: ``dataset_dict.json`` names the splits, each a sub-directory (a
+      single split is used; with several, the user names one);
+    - any other folder: its ``.parquet`` files, else its ``.arrow`` files, searched recursively (a dataset
+      repository's ``data/train-00000-of-00002.parquet`` ...), in name order.
+    """
+    if (directory / "dataset_dict.json").is_file():
+        splits = json.loads((directory / "dataset_dict.json").read_text()).get("splits") or []
+        if len(splits) != 1:
+            raise DataError(f"{directory} is a saved DatasetDict with splits {', '.join(splits)}; point --prompt-data "
+                            f"at one of them, e.g. {directory / (splits[0] if splits else 'train')}")
+        return _dataset_shards(directory / splits[0])
+    if (directory / "state.json").is_file():
+        files = json.loads((directory / "state.json").read_text()).get("_data_files") or []
+        return [directory / f["filename"] for f in files]
+    for suffix in (".parquet", ".arrow"):
+        shards = sorted(p for p in directory.rglob(f"*{suffix}") if p.is_file())
+        if shards:
+            return shards
+    raise DataError(f"{directory} is a directory but holds no dataset: no state.json / dataset_dict.json "
+                    "(datasets' save_to_disk) and no .parquet or .arrow files; point --prompt-data at a .jsonl / "
+                    ".parquet file or such a directory")
+
+
+def _read_dataset_dir(directory: Path) -> list[tuple[str, dict]]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = []
+    for shard in _dataset_shards(directory):
+        try:
+            table = pq.read_table(shard) if shard.suffix == ".parquet" else _read_arrow(shard)
+        except (pa.ArrowException, OSError) as exc:
+            raise DataError(f"{shard} (in the dataset directory {directory}) cannot be read: {exc}") from None
+        rows += [(f"{shard}, row {number}", row) for number, row in enumerate(table.to_pylist(), start=1)]
+    return rows
+
+
 def read_rows(spec: str) -> list[tuple[str, dict]]:
-    """``(where, row)`` pairs of a ``.jsonl`` / ``.parquet`` file, after the optional ``@[start:end]`` slice."""
+    """``(where, row)`` pairs of a ``.jsonl`` / ``.parquet`` file or a dataset directory, after the optional
+    ``@[start:end]`` slice (over all of a directory's rows, in order)."""
     path, part = parse_spec(spec)
-    if not path.is_file():
+    if path.is_dir():
+        rows = _read_dataset_dir(path)
+    elif not path.is_file():
         raise DataError(f"prompt file {path} does not exist (from --prompt-data {spec!r}); check the path, or "
                         "omit --prompt-data to train on the built-in --task")
-    if path.suffix not in SUFFIXES:
+    elif path.suffix not in SUFFIXES:
         raise DataError(f"prompt file {path}: unknown extension {path.suffix!r}; use .jsonl (one JSON object per "
                         "line) or .parquet")
-    rows = _read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path)
+    else:
+        rows = _read_jsonl(path) if path.suffix == ".jsonl" else _read_parquet(path)
     if not rows:
         raise DataError(f"prompt file {path} has no rows; fill it (one JSON object per line) or point "
                         "--prompt-data at another file")

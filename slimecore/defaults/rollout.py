@@ -27,6 +27,7 @@ import threading
 import time
 
 from slimecore import hookimpl
+from slimecore.defaults.reward import combined_reward
 from slimecore.plugins import HookCallError, PluginError
 from slimecore.types import FilterResult, RolloutOutput, Sample, Status
 
@@ -114,8 +115,10 @@ class _GroupRunner:
         results = await asyncio.gather(*(self._generate(s) for s in group))
         samples = [s for r in results for s in (r if isinstance(r, list) else [r])]
         for sample in samples:
-            self.hooks.process_sample(config=self.config, sample=sample, rollout_id=self.rollout_id,
-                                      evaluation=self.evaluation)
+            for answer in self.hooks.process_sample(config=self.config, sample=sample, rollout_id=self.rollout_id,
+                                                    evaluation=self.evaluation):
+                if inspect.isawaitable(answer):  # an async implementation (slime's sample hooks may be async)
+                    await answer
         if any(s.status == Status.ABORTED for s in samples):
             return samples  # goes back to the buffer; scored when it completes
         if self._group_rm():
@@ -161,7 +164,7 @@ class _GroupRunner:
     async def _reward(self, sample: Sample) -> None:
         start = time.perf_counter()
         try:
-            reward = await self._bounded_reward("slime_reward", self.hooks.reward(config=self.config, sample=sample))
+            reward = await self._bounded_reward("slime_reward", combined_reward(self.hooks, self.config, sample))
         except HookCallError as exc:
             self._fail(sample, str(exc), exc.cause_traceback)
             return

@@ -61,6 +61,7 @@ import torch.distributed as dist
 
 from slimecore.checkpoint import atomic_write_text
 from slimecore.config import ConfigError
+from slimecore.megatron_args import megatron_overrides
 from slimecore.trainers.fsdp import FSDPTrainer, lr_lambda
 
 log = logging.getLogger("slimecore.megatron")
@@ -182,7 +183,7 @@ def transformer_overrides(config) -> dict:
     if config.recompute_granularity:
         overrides.update(recompute_granularity=config.recompute_granularity,
                          recompute_method=config.recompute_method, recompute_num_layers=config.recompute_num_layers)
-    return overrides
+    return {**megatron_overrides(config, "transformer"), **overrides}
 
 
 def build_model(config, hooks, hf_dir: str, ddp_config: dict | None = None, load_weights: bool = True):
@@ -334,7 +335,7 @@ class MegatronTrainer(FSDPTrainer):
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         ddp = {"use_distributed_optimizer": bool(config.use_distributed_optimizer), "grad_reduce_in_fp32": True,
-               "overlap_grad_reduce": False, "overlap_param_gather": False}
+               "overlap_grad_reduce": False, "overlap_param_gather": False, **megatron_overrides(config, "ddp")}
         self.bridge, self.runtime, self.chunks = build_model(config, hooks, config.hf_checkpoint, ddp)
         self.hf_config = AutoConfig.from_pretrained(config.hf_checkpoint)  # for the FLOPs figures
         self.model = torch.nn.ModuleList(self.chunks)  # .train() / .eval() for the inherited code
@@ -343,8 +344,9 @@ class MegatronTrainer(FSDPTrainer):
         self._ref_params: dict[str, torch.Tensor] | None = None
         if "ref_log_probs" in set(hooks.train_inputs(config=config, role=role)):
             self._ref_params = {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+        passed = {"optimizer": "adam", **megatron_overrides(config, "optimizer")}  # e.g. --optimizer sgd
         optimizer_config = OptimizerConfig(
-            optimizer="adam", lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
+            **passed, lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
             adam_beta1=config.adam_beta1, adam_beta2=config.adam_beta2, adam_eps=config.adam_eps,
             clip_grad=config.clip_grad, bf16=bool(config.bf16),
             params_dtype=torch.bfloat16 if config.bf16 else torch.float32,

@@ -216,7 +216,7 @@ class MegatronModel:
             extra["mtp_num_layers"] = None
         if not self.uses_transformer_engine:  # no TE/Apex kernels: torch norms, softmax and per-expert MLPs
             extra.update(persist_layer_norm=False, moe_grouped_gemm=False, masked_softmax_fusion=False)
-        self.mbridge.set_extra_args(**extra, **overrides)
+        self.mbridge.set_extra_args(**{**extra, **overrides})  # the run's Megatron arguments win
         self.config = self.mbridge.config
 
     # -- what the backend uses ------------------------------------------------------------

@@ -1,0 +1,1 @@
+"""slime-core shim: ``slime.backends.megatron_utils``."""

@@ -1,0 +1,1 @@
+"""slime-core shim: ``slime.rollout``."""
