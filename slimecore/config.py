@@ -128,6 +128,11 @@ CORE_OPTIONS: list[Option] = [
     _O("reward_key", str, None, "Key of a dict reward to train on.", group="rollout"),
     _O("group_rm", bool, False, "Score each group with slime_group_reward instead of per sample.", group="rollout"),
     _O("rollout_timeout", float, 3600.0, "Seconds one rollout step may take.", group="rollout"),
+    # -- agents (a plugin answering slime_agent; slimecore/agents/)
+    _O("agent_timeout", float, 600.0, "Seconds one slime_agent episode may take; past it the sample is FAILED.",
+       group="agent"),
+    _O("agent_tool_parser", str, "qwen", "How tool calls are read from the model's text in agent sessions: qwen "
+       "(alias hermes: <tool_call> JSON), none, or module:function.", group="agent"),
     # -- eval
     _O("eval_prompt_data", str, None, "Eval datasets as NAME PATH pairs (PATH may be task:NAME).", nargs="+", group="eval"),
     _O("eval_config", str, None, "Eval YAML: data sets with their own rm_type, sampling and keys (see "

@@ -55,7 +55,9 @@ class RolloutManager:
         self.engines = launch_embedded_engines(n, c.hf_checkpoint, num_cpus=c.num_cpus_per_actor,
                                                placement_group=placement_group, bundle_indices=engine_bundles,
                                                timeout=c.ray_timeout, seed=c.seed, num_threads=torch_threads(c))
-        self.router = Router([url for _, url in self.engines])
+        # agent sessions send their id as the router's routing key; the manual policy keeps a key on one engine
+        policy = "manual" if self.hooks.implementers("slime_agent") else "round_robin"
+        self.router = Router([url for _, url in self.engines], policy=policy)
         self.router.start()
         self.client = RolloutClient(self.router.url, tokenizer=self.tokenizer)
 
