@@ -75,10 +75,8 @@ def tool_parser(name: str) -> ToolParser:
 
 def _hermes_system(tools: list[dict]) -> str:
     lines = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return ("# Tools\n\nYou can call these functions. Their signatures are inside <tools></tools>:\n"
-            f"<tools>\n{lines}\n</tools>\n\nTo call one, write a JSON object with its name and arguments inside "
-            "<tool_call></tool_call> tags:\n<tool_call>\n{\"name\": <function name>, \"arguments\": "
-            "<arguments as a JSON object>}\n</tool_call>")
+    return (f"# Tools\n<tools>\n{lines}\n</tools>\nTo call a tool, write <tool_call>\n{{\"name\": ..., "
+            "\"arguments\": {...}}\n</tool_call>")
 
 
 def _hermes_calls(calls: list[dict]) -> str:

@@ -239,9 +239,10 @@ def openai_tool_calls(choice: Choice) -> list[dict]:
 
 
 def _openai_finish(choice: Choice) -> str:
-    if choice.finish == "length":
-        return "length"
-    return "tool_calls" if choice.tool_calls else "stop"
+    """Complete tool calls win over the length limit (the parser only returns complete ones)."""
+    if choice.tool_calls:
+        return "tool_calls"
+    return "length" if choice.finish == "length" else "stop"
 
 
 def openai_response(choices: list[Choice], model: str) -> dict:
@@ -367,10 +368,10 @@ def _anthropic_tool(t: Any, param: str) -> dict:
 
 
 def _anthropic_stop(choice: Choice) -> tuple[str, str | None]:
-    if choice.finish == "length":
-        return "max_tokens", None
     if choice.tool_calls:
         return "tool_use", None
+    if choice.finish == "length":
+        return "max_tokens", None
     return ("stop_sequence", choice.matched_stop) if choice.matched_stop else ("end_turn", None)
 
 
