@@ -14,6 +14,8 @@ import openai
 import pytest
 import torch
 
+from agent_toolmodel import ANSWER, ANTHROPIC_TOOLS as TAUGHT_ANTHROPIC_TOOLS, OPENAI_TOOLS as TAUGHT_TOOLS
+from agent_toolmodel import question
 from slimecore import hookimpl
 from slimecore.agents.chat import ChatTemplate, hermes_messages, parse_qwen_tool_calls, tool_parser
 from slimecore.agents.episode import stop_session_server
@@ -119,6 +121,44 @@ def test_anthropic_sdk_chat_tools_turns_and_streaming(agent_sessions, tiny_engin
     turns = list(session.state.trajectory.turns)
     [sample] = agent_sessions.finish(session)
     _check_exact(sample, turns, tiny_engine.url, 6)
+
+
+def test_a_model_that_calls_tools_through_both_sdks(tool_checkpoint):
+    """Tool calls the engine itself writes, read by the qwen parser, round-tripped by each SDK."""
+    from slimecore.testing.engines import embedded_engine
+    from slimecore.testing.sessions import agent_sessions as serve_sessions
+
+    with embedded_engine(tool_checkpoint) as engine, serve_sessions(engine.url, tool_checkpoint) as sessions:
+        session = sessions.open(max_new_tokens=96, temperature=0.0)
+        client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+        messages = [{"role": "user", "content": question(30)}]
+        reply = client.chat.completions.create(model=session.model, messages=messages, tools=TAUGHT_TOOLS)
+        [call] = reply.choices[0].message.tool_calls
+        assert reply.choices[0].finish_reason == "tool_calls" and call.function.name == "add"
+        assert json.loads(call.function.arguments) == {"a": 1, "b": 2}
+        messages += [reply.choices[0].message.model_dump(exclude_none=True),
+                     {"role": "tool", "tool_call_id": call.id, "content": "3"}]
+        final = client.chat.completions.create(model=session.model, messages=messages, tools=TAUGHT_TOOLS)
+        assert final.choices[0].message.content == ANSWER and final.choices[0].finish_reason == "stop"
+        turns = list(session.state.trajectory.turns)
+        [sample] = sessions.finish(session)
+        _check_exact(sample, turns, engine.url, 96)
+
+        session = sessions.open(max_new_tokens=96, temperature=0.0)
+        client = anthropic.Anthropic(base_url=session.anthropic_base_url, api_key=session.api_key, max_retries=0)
+        messages = [{"role": "user", "content": question(64)}]
+        reply = client.messages.create(model=session.model, max_tokens=96, messages=messages,
+                                       tools=TAUGHT_ANTHROPIC_TOOLS)
+        [use] = reply.content
+        assert reply.stop_reason == "tool_use" and use.type == "tool_use" and use.input == {"a": 1, "b": 2}
+        messages += [{"role": "assistant", "content": [use.model_dump(exclude_none=True)]},
+                     {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "3"}]}]
+        final = client.messages.create(model=session.model, max_tokens=96, messages=messages,
+                                       tools=TAUGHT_ANTHROPIC_TOOLS)
+        assert final.content[0].text == ANSWER and final.stop_reason == "end_turn"
+        [sample] = sessions.finish(session)
+        model_tokens = [t for t, m in zip(sample.response_tokens, sample.loss_mask) if m]
+        assert model_tokens.count(sessions.tokenizer.eos_token_id) == 2  # both model turns end on their own EOS
 
 
 def test_trainer_log_probs_equal_the_engines_on_session_samples(agent_sessions, tiny_hf_checkpoint):

@@ -1,67 +1,77 @@
 """A black-box agent: a program that knows nothing of slime-core. It reads a task as JSON on stdin
 ({"prompt": ..., "api": "openai" | "anthropic"}), talks to a model through the official SDK named by "api"
 (configured only by OPENAI_BASE_URL / OPENAI_API_KEY / OPENAI_MODEL or the ANTHROPIC_* variables), offers it
-one tool (add), runs the tool calls it makes, and prints {"answer": ..., "turns": ..., "tool_calls": ...}."""
+one tool (add) and runs the calls it makes, then compacts its context: one last request whose history is a
+summary instead of the conversation. It prints {"answer", "after_tool", "tool_results", "turns"} as JSON."""
 
 import json
 import os
 import sys
 
-MAX_TURNS = 3
+MAX_TURNS = 2  # one tool round: the tiny model has a 512-token context
+SCHEMA = {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}
 
 
 def add(a=0, b=0):
     return a + b
 
 
-def run_openai(prompt):
-    import openai
+class OpenAIChat:
+    def __init__(self):
+        import openai
 
-    client = openai.OpenAI(max_retries=0)
-    tools = [{"type": "function", "function": {"name": "add", "description": "a+b", "parameters": {
-        "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}}]
-    messages = [{"role": "user", "content": prompt}]
-    calls = 0
-    for turn in range(1, MAX_TURNS + 1):
-        reply = client.chat.completions.create(model=os.environ["OPENAI_MODEL"], messages=messages, tools=tools,
-                                               max_tokens=8)
+        self.client, self.model = openai.OpenAI(max_retries=0), os.environ["OPENAI_MODEL"]
+        self.tools = [{"type": "function", "function": {"name": "add", "description": "a+b", "parameters": SCHEMA}}]
+
+    def ask(self, messages, tools=True):
+        """One model call: (assistant message to append, text, [(call id, arguments)])."""
+        reply = self.client.chat.completions.create(model=self.model, messages=messages, max_tokens=96,
+                                                    **({"tools": self.tools} if tools else {}))
         message = reply.choices[0].message
-        messages.append(message.model_dump(exclude_none=True))
-        if not message.tool_calls:
-            return message.content or "", turn, calls
-        for call in message.tool_calls:
-            calls += 1
-            result = add(**json.loads(call.function.arguments))
-            messages.append({"role": "tool", "tool_call_id": call.id, "content": str(result)})
-    return "", MAX_TURNS, calls
+        calls = [(c.id, json.loads(c.function.arguments)) for c in message.tool_calls or []]
+        return message.model_dump(exclude_none=True), message.content or "", calls
+
+    def results(self, done):
+        return [{"role": "tool", "tool_call_id": call_id, "content": str(value)} for call_id, value in done]
 
 
-def run_anthropic(prompt):
-    import anthropic
+class AnthropicChat:
+    def __init__(self):
+        import anthropic
 
-    client = anthropic.Anthropic(max_retries=0)
-    tools = [{"name": "add", "description": "a+b", "input_schema": {
-        "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}}]
-    messages = [{"role": "user", "content": prompt}]
-    calls = 0
-    for turn in range(1, MAX_TURNS + 1):
-        reply = client.messages.create(model=os.environ["ANTHROPIC_MODEL"], max_tokens=8, messages=messages,
-                                       tools=tools)
-        messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]})
-        uses = [b for b in reply.content if b.type == "tool_use"]
-        if not uses:
-            return "".join(b.text for b in reply.content if b.type == "text"), turn, calls
-        calls += len(uses)
-        messages.append({"role": "user", "content": [
-            {"type": "tool_result", "tool_use_id": u.id, "content": str(add(**u.input))} for u in uses]})
-    return "", MAX_TURNS, calls
+        self.client, self.model = anthropic.Anthropic(max_retries=0), os.environ["ANTHROPIC_MODEL"]
+        self.tools = [{"name": "add", "description": "a+b", "input_schema": SCHEMA}]
+
+    def ask(self, messages, tools=True):
+        reply = self.client.messages.create(model=self.model, max_tokens=96, messages=messages,
+                                            **({"tools": self.tools} if tools else {}))
+        text = "".join(b.text for b in reply.content if b.type == "text")
+        calls = [(b.id, b.input) for b in reply.content if b.type == "tool_use"]
+        return {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in reply.content]}, text, calls
+
+    def results(self, done):
+        return [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": call_id, "content": str(value)}
+                                             for call_id, value in done]}]
 
 
 def main():
     task = json.load(sys.stdin)
     prompt = task["prompt"] if isinstance(task["prompt"], str) else task["prompt"][-1]["content"]
-    answer, turns, calls = (run_openai if task["api"] == "openai" else run_anthropic)(prompt)
-    print(json.dumps({"answer": answer, "turns": turns, "tool_calls": calls}))
+    chat = OpenAIChat() if task["api"] == "openai" else AnthropicChat()
+    messages, results, after_tool, turns = [{"role": "user", "content": prompt}], [], "", 0
+    for turns in range(1, MAX_TURNS + 1):
+        message, text, calls = chat.ask(messages)
+        messages.append(message)
+        if results:
+            after_tool = text
+        if not calls:
+            break
+        done = [(call_id, add(**arguments)) for call_id, arguments in calls]
+        results += [value for _, value in done]
+        messages += chat.results(done)
+    notes = f"add returned {results[-1]}" if results else "no tool used"
+    _, answer, _ = chat.ask([{"role": "user", "content": f"{prompt} Notes: {notes}."}], tools=False)
+    print(json.dumps({"answer": answer, "after_tool": after_tool, "tool_results": results, "turns": turns + 1}))
 
 
 if __name__ == "__main__":
