@@ -375,3 +375,29 @@ def test_slime_agent_through_the_built_in_generate(tiny_engine, tiny_hf_checkpoi
         assert out.status == Status.FAILED and out.remove_sample and out.reward == 0.0
         assert {"raise": "crashed", "slow": "--agent-timeout", "silent": "without a model call"}[mode] in \
             out.metadata["agent_error"]
+
+
+def test_the_routers_manual_policy_keeps_a_session_on_one_engine(engines):
+    """Agent runs start the router with --policy manual; the session id goes as X-SMG-Routing-Key."""
+    from slimecore.engines.router import Router
+
+    servers, _ = engines
+    router = Router([s.url for s in servers], policy="manual").start()
+    client = RolloutClient(router.url)
+
+    async def served_by(key: str) -> int:
+        before = [s.stats["waves"] for s in servers]
+        await client.generate([1, 2, 3], {"max_new_tokens": 1}, routing_key=key)
+        return [a - b for a, b in zip([s.stats["waves"] for s in servers], before)].index(1)
+
+    async def go():
+        try:
+            return {key: [await served_by(key) for _ in range(3)] for key in ("s1", "s2", "s3", "s4", "s5")}
+        finally:
+            await client.close()
+
+    try:
+        engines_by_key = asyncio.run(go())
+    finally:
+        router.stop()
+    assert all(len(set(used)) == 1 for used in engines_by_key.values()), engines_by_key
