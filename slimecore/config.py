@@ -173,6 +173,11 @@ CORE_OPTIONS: list[Option] = [
        "failed (reward hook raised, timed out or returned NaN); 1 never stops.", group="rollout"),
     _O("max_filter_rounds", int, 50, "Over-sampling rounds one step may take while group filters drop groups; then "
        "the run stops naming the filters and their drop reasons.", group="rollout"),
+    # -- agents (a plugin answering slime_agent; slimecore/agents/)
+    _O("agent_timeout", float, 600.0, "Seconds one slime_agent episode may take; past it the sample is FAILED.",
+       group="agent"),
+    _O("agent_tool_parser", str, "qwen", "How tool calls are read from the model's text in agent sessions: qwen "
+       "(alias hermes: <tool_call> JSON), none, or module:function.", group="agent"),
     # -- eval
     _O("eval_prompt_data", str, None, "Eval datasets as NAME PATH pairs (PATH may be task:NAME).", nargs="+", group="eval"),
     _O("eval_config", str, None, "Eval YAML: data sets with their own rm_type, sampling and keys (see "

@@ -26,6 +26,7 @@ import pluggy
 if TYPE_CHECKING:  # heavy or circular imports only for type checkers
     import torch
 
+    from slimecore.agents.session import AgentSession
     from slimecore.config import Config, Option
     from slimecore.rollout.client import RolloutClient
     from slimecore.types import DataSource, FilterResult, RolloutOutput, Sample
@@ -195,6 +196,25 @@ def slime_observation(config: Config, sample: Sample, text: str, turn: int) -> s
     async. The first active plugin that implements it answers.
 
     Called in: rollout, after each model turn but the last.
+    """
+
+
+@spec(kind="first", is_async=True)
+async def slime_agent(config: Config, sample: Sample, session: AgentSession) -> float | dict | None:
+    """Play one episode of an agent that talks to the policy through the OpenAI or Anthropic API. With an
+    implementation active, the built-in ``slime_generate`` opens a session per sample and awaits this hook;
+    ``session`` (``slimecore.agents.session.AgentSession``) has ``base_url`` / ``anthropic_base_url``,
+    ``api_key`` and ``model`` for any OpenAI or Anthropic client, ``openai_client()`` /
+    ``anthropic_client()``, ``env()`` (``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL``,
+    ``ANTHROPIC_API_KEY`` ...) and ``await session.run(args)`` for a subprocess agent with those set. Every
+    model call is recorded with exact tokens; at the end the session becomes one sample per branch of its
+    history (a client that rewrote its history forks), all sharing one ``rollout_id``. Return a reward (float
+    or dict) for every sample of the episode, or None to let ``slime_reward`` score them. It runs under
+    ``--agent-timeout``; raising or timing out marks the sample FAILED (not trained). One active plugin may
+    implement it.
+
+    Called in: rollout, once per sample, concurrently (the agent's HTTP calls reach the session server on its
+    own thread of the same process).
     """
 
 

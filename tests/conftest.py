@@ -7,3 +7,4 @@ for _key, _value in {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"
     os.environ.setdefault(_key, _value)
 
 from fixtures_engine import *  # noqa: E402,F401,F403  (ray_session, tiny_checkpoint, engine fixtures)
+from agent_toolmodel import tool_checkpoint  # noqa: E402,F401  (a tiny model taught to call a tool)

@@ -67,7 +67,14 @@ async def slime_generate(config, sample: Sample, sampling_params: dict, client, 
     with the observations in between (loss mask 0, log-prob 0). Each turn gets up to
     ``--rollout-max-response-len`` new tokens; with ``--rollout-max-context-len`` the whole sample (prompt,
     turns and observations) stays within it. An aborted episode is not continued: it starts again from its
-    prompt (a half-finished tool exchange cannot be resumed token-exactly)."""
+    prompt (a half-finished tool exchange cannot be resumed token-exactly).
+
+    With a ``slime_agent`` plugin active, each sample is one agent episode in a session
+    (``slimecore.agents.episode.run_episode``), which may return several samples sharing one ``rollout_id``."""
+    if hooks.implementers("slime_agent"):
+        from slimecore.agents.episode import run_episode
+
+        return await run_episode(config, sample, client, hooks, sampling_params)
     if hooks.implementers("slime_observation"):
         from slimecore.tools import run_turns
 
@@ -132,7 +139,8 @@ class _GroupRunner:
             for sample, reward in zip(samples, rewards, strict=True):
                 self._set_reward(sample, reward)
         else:
-            await asyncio.gather(*(self._reward(s) for s in samples))
+            # a generate hook may score its samples itself (an agent's reward): those are not scored again
+            await asyncio.gather(*(self._reward(s) for s in samples if s.reward is None))
         return samples
 
     def _group_rm(self) -> bool:
@@ -477,3 +485,6 @@ def slime_shutdown(config, process: str):
     if process == "rollout":
         for key in list(_WORKERS):
             _WORKERS.pop(key).stop()
+        from slimecore.agents.episode import stop_session_server
+
+        stop_session_server()

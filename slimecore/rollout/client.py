@@ -75,7 +75,7 @@ class RolloutClient:
         return session
 
     async def _request(self, method: str, url: str, body: Any = None, retries: int | None = None,
-                       timeout: float | None = None) -> Any:
+                       timeout: float | None = None, headers: dict | None = None) -> Any:
         """The decoded JSON of a 2xx answer (its text if it is not JSON, as /flush_cache answers; None when
         empty); see the module docstring for errors."""
         retries = self.max_retries if retries is None else retries
@@ -83,7 +83,7 @@ class RolloutClient:
         for attempt in range(retries + 1):
             try:
                 options = {"timeout": aiohttp.ClientTimeout(total=timeout)} if timeout else {}
-                async with self._session().request(method, url, json=body, **options) as response:
+                async with self._session().request(method, url, json=body, headers=headers, **options) as response:
                     text = await response.text()
                     if response.status < 300:
                         return _decode(text)
@@ -99,11 +99,13 @@ class RolloutClient:
 
     async def generate(self, input_ids: Sequence[int] | None = None, sampling_params: dict | None = None, *,
                        text: str | None = None, return_logprob: bool = True, rid: str | None = None,
-                       **extra: Any) -> dict:
+                       routing_key: str | None = None, **extra: Any) -> dict:
         """``POST /generate`` through the router with ``input_ids`` (or ``text``); returns SGLang's response:
         ``text``, ``output_ids`` and ``meta_info`` (``finish_reason``, ``weight_version``, and with
         ``return_logprob`` the ``output_token_logprobs`` aligned 1:1 with ``output_ids``). ``extra``
-        top-level fields (for example ``logprob_start_len``) are sent as given."""
+        top-level fields (for example ``logprob_start_len``) are sent as given. ``routing_key`` (an agent
+        session's id) goes out as the router's ``X-SMG-Routing-Key`` header: under ``--policy manual`` the
+        router keeps every request with one key on one engine (its prefix cache)."""
         if (input_ids is None) == (text is None):
             raise ValueError("give exactly one of input_ids and text")
         body: dict[str, Any] = {"sampling_params": dict(sampling_params or {}), "return_logprob": return_logprob,
@@ -114,7 +116,8 @@ class RolloutClient:
             body["text"] = text
         if rid is not None:
             body["rid"] = rid
-        return await self._request("POST", self.url + "/generate", body)
+        headers = {"X-SMG-Routing-Key": routing_key} if routing_key else None
+        return await self._request("POST", self.url + "/generate", body, headers=headers)
 
     async def worker_urls(self) -> list[str]:
         """The engines registered with the router (``GET /workers``)."""

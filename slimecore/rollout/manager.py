@@ -61,7 +61,10 @@ class RolloutManager:
                         "ignores them", sorted(c.sglang_args))
         self.launcher = EngineLauncher(c, placement_group, engine_bundles, host=engine_bind, api_key=self.api_key,
                                        log_dir=str(Path(c.log_dir) / "engines") if c.log_dir else None)
-        self.fleet = EngineFleet(self.launcher, self.launcher.count, Router([], host=router_bind, api_key=self.api_key),
+        # agent sessions send their id as the router's routing key; the manual policy keeps a key on one engine
+        policy = "manual" if self.hooks.implementers("slime_agent") else "round_robin"
+        router = Router([], host=router_bind, api_key=self.api_key, policy=policy)
+        self.fleet = EngineFleet(self.launcher, self.launcher.count, router,
                                  health_check=c.use_fault_tolerance,
                                  check_interval=c.rollout_health_check_interval,
                                  check_timeout=c.rollout_health_check_timeout,

@@ -5,7 +5,10 @@ entry point). Import-light: torch and transformers load only when a fixture is u
 - ``make_sample(**fields)``: a Sample with a prompt and, optionally, a response;
 - ``tiny_hf_checkpoint``: a random tiny Qwen2 model and tokenizer in a temporary directory;
 - ``tiny_engine``: an embedded engine serving it (SGLang's HTTP API at ``tiny_engine.url``), one per module;
-  ``slimecore.testing.engines.embedded_engine(checkpoint)`` serves any other checkpoint.
+  ``slimecore.testing.engines.embedded_engine(checkpoint)`` serves any other checkpoint;
+- ``agent_sessions``: OpenAI / Anthropic session endpoints in front of ``tiny_engine``
+  (``slimecore.testing.sessions``): ``agent_sessions.open()`` gives an ``AgentSession`` for a ``slime_agent``
+  hook, ``agent_sessions.finish(session)`` its samples.
 """
 
 from __future__ import annotations
@@ -52,3 +55,11 @@ def tiny_engine(tiny_hf_checkpoint):
 
     with embedded_engine(tiny_hf_checkpoint, max_batch_size=8) as server:
         yield server
+
+
+@pytest.fixture(scope="module")
+def agent_sessions(tiny_engine, tiny_hf_checkpoint):
+    from slimecore.testing.sessions import agent_sessions
+
+    with agent_sessions(tiny_engine.url, tiny_hf_checkpoint) as sessions:
+        yield sessions

@@ -90,3 +90,51 @@ def make_tiny_checkpoint(directory: str | Path, arch: str = "qwen2", vocab_size:
     stamp.write_text(json.dumps(spec))
     _BUILT[key] = directory
     return directory
+
+
+def teach_tiny(base: str | Path, out: str | Path, rows: list[tuple[list[int], list[bool]]], steps: int = 150,
+               lr: float = 1e-2, batched: bool = True) -> Path:
+    """Fine-tune the checkpoint at ``base`` so it writes the ``trained`` tokens of each row (``(token ids, trained
+    flags)``), and save it with its tokenizer to ``out``: a tiny model taught a format (a tool call, a search
+    action) in seconds, so a test sees the engine itself produce it. The objective is the sum over rows of the
+    mean cross-entropy of its trained tokens; ``batched`` computes it in one right-padded batch per step (faster),
+    otherwise one unpadded forward per row (the same objective, other float rounding)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(base)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    width = max(len(ids) for ids, _ in rows)
+    groups = [rows] if batched else [[row] for row in rows]
+    batches = []
+    for group in groups:
+        ids = torch.tensor([list(r) + [tokenizer.pad_token_id] * (width - len(r)) for r, _ in group])  # (B, T)
+        attention = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r, _ in group])
+        trained = torch.tensor([list(t) + [False] * (width - len(t)) for _, t in group])[:, 1:]  # (B, T-1) targets
+        if not batched:  # one row: no padding at all
+            ids, attention, trained = ids[:, :len(group[0][0])], None, trained[:, :len(group[0][0]) - 1]
+        batches.append((ids, attention, trained))
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model: more threads only contend on a shared 2-core machine
+    try:
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = 0.0
+            for ids, attention, trained in batches:
+                logits = model(input_ids=ids, attention_mask=attention).logits[:, :-1]  # (B, T-1, V) predicts ids[:, 1:]
+                if batched:
+                    token_loss = torch.nn.functional.cross_entropy(logits.transpose(1, 2), ids[:, 1:], reduction="none")
+                    loss = loss + ((token_loss * trained).sum(1) / trained.sum(1)).sum()
+                else:
+                    loss = loss + torch.nn.functional.cross_entropy(logits[0][trained[0]], ids[0, 1:][trained[0]])
+            loss.backward()
+            optimizer.step()
+    finally:
+        torch.set_num_threads(threads)
+    model.eval()
+    out = Path(out)
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+    return out

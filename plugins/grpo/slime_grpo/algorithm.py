@@ -24,6 +24,8 @@ Fixes relative to slime (DESIGN.md section 8):
 - A group of one sample gets reward ``0`` after centring and no std division (slime: NaN).
 - A FAILED sample (its reward hook raised, timed out or gave NaN; it is not trained) is left out of its
   group's mean and std and gets 0, so a failure does not move its siblings' advantages.
+- Samples sharing a ``rollout_id`` (an agent episode whose history forked) count once in their group's mean
+  and std (as the mean of their rewards); each is centred by those statistics.
 """
 
 from __future__ import annotations
@@ -36,20 +38,27 @@ from slimecore.ops.kl import approx_kl
 
 
 def group_normalize(rewards: list[float], group_ids: list, std_normalize: bool, eps: float = 1e-6,
-                    excluded: list[bool] | None = None) -> list[float]:
-    """Per-group centring (and std scaling); samples marked in ``excluded`` stay out of the statistics and get 0."""
+                    excluded: list[bool] | None = None, rollout_ids: list | None = None) -> list[float]:
+    """Centre (and scale) each sample's reward by its group's statistics. Samples marked in ``excluded`` (FAILED)
+    stay out of the statistics and get 0. With ``rollout_ids``, samples of one rollout (an agent episode forked
+    into several samples) count once in the mean and std, as the mean of their rewards, so a rollout does not
+    weigh more in its group for having forked."""
     groups: dict = defaultdict(list)
     for i, g in enumerate(group_ids):
         if not (excluded and excluded[i]):
             groups[g].append(i)
     out = [0.0] * len(rewards)
     for members in groups.values():
-        r = torch.tensor([rewards[i] for i in members], dtype=torch.float64)
-        centred = r - r.mean()
-        if std_normalize and len(members) > 1:
-            centred = centred / (r.std(unbiased=True) + eps)
-        for i, value in zip(members, centred.tolist()):
-            out[i] = value
+        by_rollout: dict = defaultdict(list)
+        for i in members:
+            rollout = rollout_ids[i] if rollout_ids is not None else None
+            by_rollout[("sample", i) if rollout is None else rollout].append(rewards[i])
+        r = torch.tensor([sum(v) / len(v) for v in by_rollout.values()], dtype=torch.float64)
+        mean, scale = r.mean(), 1.0
+        if std_normalize and len(r) > 1:
+            scale = r.std(unbiased=True) + eps
+        for i in members:
+            out[i] = float((rewards[i] - mean) / scale)
     return out
 
 

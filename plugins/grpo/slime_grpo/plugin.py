@@ -89,7 +89,8 @@ def post_process_rewards(config, o, samples):
     groups = [s.group_index if s.group_index is not None else i // config.n_samples_per_prompt
               for i, s in enumerate(samples)]
     std = not o.disable_grpo_std_normalization and config.n_samples_per_prompt > 1
-    return raw, group_normalize(shaped, groups, std, excluded=[s.status == Status.FAILED for s in samples])
+    return raw, group_normalize(shaped, groups, std, excluded=[s.status == Status.FAILED for s in samples],
+                                rollout_ids=[s.rollout_id for s in samples])
 
 
 def shape_rewards(config, o, samples, raw: list[float]) -> list[float]:

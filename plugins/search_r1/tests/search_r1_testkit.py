@@ -14,7 +14,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 from slime_search_r1.plugin import INVALID_ACTION
 from slime_search_r1.retrieval import Bm25Retriever, format_passages
@@ -62,10 +61,11 @@ def write_data(directory: Path) -> tuple[Path, Path]:
 
 def teach(base: Path, out: Path, corpus_path: Path, steps: int = 150, lr: float = 1e-2) -> Path:
     """Fine-tune the tiny checkpoint at ``base`` on the taught episodes; save it to ``out``."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from slimecore.testing.tiny import teach_tiny
 
     tokenizer = AutoTokenizer.from_pretrained(base)
-    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
     rows = []
     for country in CITIES:
         prompt = tokenizer.apply_chat_template([{"role": "user", "content": question(country)}], tokenize=False,
@@ -75,26 +75,8 @@ def teach(base: Path, out: Path, corpus_path: Path, steps: int = 150, lr: float 
         for text, train in episode(country, corpus_path):
             piece = tokenizer(text, add_special_tokens=False)["input_ids"]
             ids, trained = ids + piece, trained + [train] * len(piece)
-        rows.append((torch.tensor(ids), torch.tensor(trained)))
-    torch.manual_seed(0)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model: more threads only contend on a shared 2-core machine
-    try:
-        for _ in range(steps):
-            optimizer.zero_grad()
-            loss = 0.0
-            for ids, trained in rows:
-                logits = model(input_ids=ids[None]).logits[0, :-1]  # (T-1, V) predicts ids[1:]
-                loss = loss + torch.nn.functional.cross_entropy(logits[trained[1:]], ids[1:][trained[1:]])
-            loss.backward()
-            optimizer.step()
-    finally:
-        torch.set_num_threads(threads)
-    model.eval()
-    model.save_pretrained(out, safe_serialization=True)
-    tokenizer.save_pretrained(out)
-    return out
+        rows.append((ids, trained))
+    return teach_tiny(base, out, rows, steps=steps, lr=lr, batched=False)
 
 
 def check_episode(sample, tokenizer, corpus) -> list[str]:
