@@ -1,0 +1,1 @@
+"""reasoning-gym tasks as a slime-core plugin (see plugin.py and the README)."""
