@@ -17,6 +17,7 @@ import slimecore
 from slimecore.config import Config, ConfigError
 from slimecore.errors import RewardFailureError, check_reward_failures, describe
 from slimecore.plugins import HookCallError
+from slimecore.agents.protocol import APIError
 from slimecore.types import Sample, Status
 
 
@@ -30,6 +31,8 @@ class _NeedsTwoArguments(Exception):
 def _project_exceptions() -> list[type]:
     found = set()
     for module in pkgutil.walk_packages(slimecore.__path__, "slimecore."):
+        if module.name.startswith("slimecore.compat."):  # the `import slime` shim: importable as `slime` only
+            continue
         mod = importlib.import_module(module.name)
         for value in vars(mod).values():
             if isinstance(value, type) and issubclass(value, BaseException) and value.__module__.startswith("slimecore"):
@@ -40,6 +43,8 @@ def _project_exceptions() -> list[type]:
 def _instance(cls):
     if cls is HookCallError:
         return HookCallError("my_plugin", "slime_reward", _NeedsTwoArguments(7, "the judge is down"))
+    if cls is APIError:
+        return APIError("invalid_request", "what happened; what to do", param="messages")
     return cls("what happened; what to do")
 
 

@@ -35,6 +35,9 @@ class APIError(Exception):
         super().__init__(message)
         self.kind, self.message, self.param, self.code = kind, message, param, code
 
+    def __reduce__(self):  # crosses processes (Ray) with every field
+        return type(self), (self.kind, self.message, self.param, self.code)
+
     @property
     def status(self) -> int:
         return self.STATUS[self.kind]
