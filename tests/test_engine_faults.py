@@ -25,6 +25,9 @@ def test_run_survives_engine_kill_engine_hang_and_router_kill(tiny_checkpoint, t
             "--n-samples-per-prompt", "4", "--rollout-max-response-len", "48", "--rollout-num-gpus", "2",
             "--num-rollout", "4", "--lr", "1e-4", "--log-dir", str(log_dir), "--no-use-tensorboard",
             "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", "5",
+            # the transport whose weights the fleet replays into a restarted engine at once; with a trainer push
+            # (tensor / distributed) a restarted engine waits out of the router for the next push
+            "--update-weight-transport", "object-store",
             "--fault-at", "1:engine-kill", "2:engine-stop", "3:router-kill", "--fault-log", str(fault_log)]
     output = tmp_path / "output.txt"
     with output.open("w") as out:

@@ -75,6 +75,8 @@ class EngineFleet:
         self.engines: list[tuple[Any, str]] = []
         self.error: BaseException | None = None  # a replacement that failed: the run cannot go on
         self._weights: tuple[Any, str] | None = None
+        self._pushed_version: str | None = None  # the last version train rank 0 pushed (tensor / distributed)
+        self._awaiting_push: set[int] = set()  # engines restarted since that push, kept out of the router
         # current weights and engine slots change together; re-entrant, as a replacement that finds the router
         # dead restarts it (and counts that) while holding it
         self._lock = threading.RLock()
@@ -137,6 +139,16 @@ class EngineFleet:
                     raise TimeoutError(f"engines {sorted(u for _, _, u in pending.values())} did not load weights "
                                        f"v{version} within {timeout:.0f}s; raise --ray-timeout if loading is slow")
             pool.shutdown(wait=False, cancel_futures=True)  # a hung engine's call ends when it is killed
+
+    def admit_pushed(self, version: str) -> None:
+        """After train rank 0 pushed ``version`` to every engine: engines restarted since then have the current
+        weights now and go back into the router."""
+        with self._lock:
+            self._pushed_version = version
+            for i in sorted(self._awaiting_push):
+                self._add_to_router(self.engines[i][1])
+                log.warning("engine %d is back in the router, serving the pushed weights v%s", i, version)
+            self._awaiting_push.clear()
 
     # -- the monitor ---------------------------------------------------------------------------
     def healthy(self, url: str) -> bool:
@@ -212,7 +224,13 @@ class EngineFleet:
         with self._lock:
             if self._weights is not None:
                 self.lifecycle.load_weights(new, new_url, *self._weights)
-            self._add_to_router(new_url)
+            serving = [u for j, (_, u) in enumerate(self.engines) if j != i and j not in self._awaiting_push]
+            if self._weights is None and self._pushed_version is not None and serving:
+                # weights reach engines by train rank 0's push (tensor / distributed): keep the new engine out
+                # of the router until the next push gives it the current weights (admit_pushed)
+                self._awaiting_push.add(i)
+            else:
+                self._add_to_router(new_url)
             self.engines[i] = (new, new_url)
         log.warning("engine %d is back at %s after %.1fs%s", i, new_url, time.perf_counter() - started,
                     f", serving weights v{self._weights[1]}" if self._weights else "")

@@ -17,11 +17,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
 import aiohttp
+
+log = logging.getLogger("slimecore.client")
 
 T = TypeVar("T")
 
@@ -164,6 +167,8 @@ class RolloutClient:
                 try:
                     await self._request("POST", url + "/flush_cache", retries=0)
                     break
+                except EngineUnreachable:  # died meanwhile: the fault monitor restarts it
+                    break
                 except EngineError:
                     if loop.time() > deadline:
                         raise
@@ -181,8 +186,14 @@ class RolloutClient:
     async def on_every_engine(self, path: str, body: Any = None) -> dict[str, Any]:
         """``POST path`` to every engine at once (the router does not forward control calls); URL -> answer."""
         urls = await self.worker_urls()
-        return dict(zip(urls, await asyncio.gather(*(self._request("POST", u + path, body, retries=0)
-                                                    for u in urls))))
+        answers = await asyncio.gather(*(self._request("POST", u + path, body, retries=0) for u in urls),
+                                       return_exceptions=True)
+        for url, answer in zip(urls, answers):
+            if isinstance(answer, EngineUnreachable):  # it died: the fault monitor takes it out and restarts it
+                log.warning("POST %s%s: engine unreachable, skipped (%s)", url, path, answer)
+            elif isinstance(answer, BaseException):
+                raise answer
+        return {url: answer for url, answer in zip(urls, answers) if not isinstance(answer, EngineUnreachable)}
 
     async def pause_for_update(self) -> None:
         """Before a weight update, as slime does: ``/pause_generation`` (in-flight requests end as aborted,

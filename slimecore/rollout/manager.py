@@ -99,6 +99,8 @@ class RolloutManager:
 
     def resume_after_update(self, version: int) -> None:
         self.client.policy_version = version  # what the engines serve from now on (fully-async staleness)
+        if self.fleet:
+            self.fleet.admit_pushed(str(version))
         self.loop.run_until_complete(self.client.continue_generation())
 
     def release_memory(self) -> None:

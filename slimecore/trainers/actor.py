@@ -14,6 +14,7 @@ from pathlib import Path
 
 import ray
 from ray.util.placement_group import PlacementGroup
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slimecore.config import Config, torch_threads
 from slimecore.plugins import load_for_config
@@ -114,7 +115,8 @@ class TrainActor:
         if getattr(self, "_sender", None) is None:
             from slimecore.trainers.weight_sender import WeightSender
 
-            self._sender = WeightSender(self.config.update_weight_buffer_size, timeout=self.config.ray_timeout)
+            self._sender = WeightSender(self.config.update_weight_buffer_size, timeout=self.config.ray_timeout,
+                                         skip_unreachable=self.config.use_fault_tolerance)
         return self._sender.push(buckets, endpoints, str(version), transport)
 
     def offload(self) -> None:

@@ -35,6 +35,10 @@ class WeightSyncError(RuntimeError):
     """An engine refused or failed a weight update; the message names the engine and the endpoint."""
 
 
+class EngineUnreachable(WeightSyncError):
+    """An engine could not be reached at all (it died); with fault tolerance the push goes on without it."""
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """How train rank 0 reaches one engine: its URL, its TP size (ranks in a weight group) and the run's
@@ -47,11 +51,13 @@ class Endpoint:
 
 class WeightSender:
     def __init__(self, bucket_bytes: int = weight_sync.DEFAULT_BUCKET_BYTES, timeout: float = 600,
-                 master_address: str | None = None):
+                 master_address: str | None = None, skip_unreachable: bool = False):
         self.bucket_bytes, self.timeout = bucket_bytes, timeout
+        self.skip_unreachable = skip_unreachable
         self.master_address = master_address
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="weight-post")
         self._shared: torch.Tensor | None = None
+        self._shared_members: tuple[Endpoint, ...] = ()
         self._group = None
         self._group_name: str | None = None
         self._group_members: tuple[Endpoint, ...] = ()
@@ -63,7 +69,7 @@ class WeightSender:
             status, answer = http_json("POST", endpoint.url + path, body, timeout=self.timeout,
                                        api_key=endpoint.api_key)
         except OSError as exc:
-            raise WeightSyncError(f"POST {endpoint.url}{path} failed: {getattr(exc, 'reason', exc)}") from None
+            raise EngineUnreachable(f"POST {endpoint.url}{path} failed: {getattr(exc, 'reason', exc)}") from None
         if status >= 300 or (isinstance(answer, dict) and answer.get("success") is False):
             raise WeightSyncError(f"POST {endpoint.url}{path} -> HTTP {status}: {str(answer)[:500]}")
         return answer
@@ -71,9 +77,12 @@ class WeightSender:
     def _post_all(self, endpoints: Iterable[Endpoint], path: str, bodies: Iterable[dict]) -> list[Future]:
         return [self._pool.submit(self._post, e, path, b) for e, b in zip(endpoints, bodies)]
 
-    @staticmethod
-    def _wait(futures: list[Future]) -> None:
+    def _wait(self, futures: list[Future]) -> None:
         errors = [f.exception() for f in futures if f.exception() is not None]  # waits for every one
+        if self.skip_unreachable:  # an engine that died mid-push is the health monitor's to restart
+            for error in [e for e in errors if isinstance(e, EngineUnreachable)]:
+                log.warning("weight push skipped an unreachable engine (the fault monitor restarts it): %s", error)
+            errors = [e for e in errors if not isinstance(e, EngineUnreachable)]
         if errors:
             raise errors[0]
 
@@ -84,6 +93,10 @@ class WeightSender:
         start, total, count = time.perf_counter(), 0, 0
         if transport == "distributed":
             self._connect(endpoints)
+        elif tuple(endpoints) != self._shared_members:
+            # a new engine (one restarted after a fault) cannot open the kept buffer: engines that opened it
+            # hold their mapping, but its file name is gone by then; a changed engine set gets a fresh one
+            self._shared, self._shared_members = None, tuple(endpoints)
         for bucket in buckets:
             if transport == "tensor":
                 total += self._send_tensor(bucket, endpoints, str(version))
@@ -98,8 +111,21 @@ class WeightSender:
         cpu = bucket[0][1].device.type == "cpu"
         flat, metadata = weight_sync.flatten(bucket, out=self._shared_buffer(bucket) if cpu else None)
         payload = weight_sync.serialize({"flattened_tensor": flat, "metadata": metadata})
-        self._wait(self._post_all(endpoints, "/update_weights_from_tensor",
-                                  [weight_sync.tensor_body(payload, e.tp_size, version) for e in endpoints]))
+        futures = self._post_all(endpoints, "/update_weights_from_tensor",
+                                 [weight_sync.tensor_body(payload, e.tp_size, version) for e in endpoints])
+        missed = [e for e, f in zip(endpoints, futures) if cpu and "unable to open shared memory" in str(f.exception())]
+        if missed:
+            # an engine started after a fault could not open the shared file (already unlinked once the others
+            # mapped it): send those engines the bucket again in a shared buffer of their own
+            for endpoint in missed:
+                own, _ = weight_sync.flatten(bucket)
+                with weight_sync.file_system_sharing():
+                    own.share_memory_()
+                again = weight_sync.serialize({"flattened_tensor": own, "metadata": metadata})
+                self._post(endpoint, "/update_weights_from_tensor", weight_sync.tensor_body(again, endpoint.tp_size,
+                                                                                             version))
+            futures = [f for e, f in zip(endpoints, futures) if e not in missed]
+        self._wait(futures)
         if not cpu:  # a CUDA bucket is never reused (SGLang may still be copying from it), only freed
             del flat
             torch.cuda.ipc_collect()
