@@ -115,6 +115,8 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None,
                         stage("sync", rollout_id)
                     metrics["perf/update_weights_time"] = weight_updates.after_train(config, groups, rollout, version,
                                                                                      push)
+                elif push:
+                    metrics["perf/update_weights_time"] = 0.0  # no engines (SFT): nothing to sync
             last = rollout_id + 1 == num_rollout
             if config.save and (last or (config.save_interval and (rollout_id + 1) % config.save_interval == 0)):
                 stage("save", rollout_id)
