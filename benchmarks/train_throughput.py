@@ -81,7 +81,7 @@ def measure(args: argparse.Namespace, train_argv: list[str]) -> dict:
 
     from slimecore.config import parse_config
     from slimecore.plugins import load_plugins
-    from slimecore.trainers.schedule import split_rollout_data
+    from slimecore.rollout.schedule import split_rollout_data
 
     cuda = torch.cuda.is_available()
     if cuda:

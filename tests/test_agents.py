@@ -23,7 +23,7 @@ from slimecore.config import Config
 from slimecore.plugins import load_plugins
 from slimecore.rollout.client import RolloutClient
 from slimecore.rollout.manager import convert_samples
-from slimecore.trainers.schedule import build_dp_schedule
+from slimecore.rollout.schedule import build_dp_schedule
 from slimecore.types import Sample, Status
 
 TOOLS = [{"type": "function", "function": {"name": "add", "description": "a+b",
@@ -345,7 +345,7 @@ class InProcessAgent:
 
 @pytest.mark.parametrize("mode", ["ok", "none", "raise", "slow", "silent"])
 def test_slime_agent_through_the_built_in_generate(tiny_engine, tiny_hf_checkpoint, mode):
-    from slimecore.defaults.rollout import sampling_params
+    from slimecore.rollout.groups import sampling_params
     from slimecore.models import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_hf_checkpoint))

@@ -16,7 +16,7 @@ from slimecore.ops import distributed_masked_whiten, masked_whiten
 from slimecore.plugins import load_plugins
 from slimecore.testing.distributed import run_ranks
 from slimecore.trainers.fsdp import FSDPTrainer, lr_lambda
-from slimecore.trainers.schedule import build_dp_schedule, split_for_ranks
+from slimecore.rollout.schedule import build_dp_schedule, split_for_ranks
 
 
 class PolicyGradient:

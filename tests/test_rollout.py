@@ -215,12 +215,12 @@ def test_buffer_filter_hook_chooses_what_to_resume(tiny_checkpoint):
 
 
 def test_a_filter_that_rejects_everything_is_reported_not_silent(caplog):
-    from slimecore.defaults.rollout import _warn_if_starving
+    from slimecore.rollout.groups import warn_if_starving
 
     drops = __import__("collections").Counter()
     with caplog.at_level("WARNING", logger="slimecore.rollout"):
         for _ in range(60):
             drops["zero_std_0.0"] += 1
-            _warn_if_starving(drops, 0, 3)
+            warn_if_starving(drops, 0, 3)
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 2 and "dropped 30 groups (zero_std_0.0: 30) while 0 of 3" in warnings[0]

@@ -4,7 +4,7 @@ import logging
 
 import pytest
 
-from slimecore.trainers.schedule import build_dp_schedule, split_for_ranks
+from slimecore.rollout.schedule import build_dp_schedule, split_for_ranks
 
 
 def _data(lengths, rollout_ids, masks=None):

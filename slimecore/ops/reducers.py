@@ -10,7 +10,7 @@ DP ranks, to:
 - token mean (``--calculate-per-token-loss``): ``J = sum x m / max(N, 1)`` with ``N`` the step's mask tokens
   over all ranks.
 So summing the reduced loss's gradients over micro-batches and ranks (never averaging) gives the exact
-gradient of ``J``. ``B`` and ``N`` come from the schedule (``slimecore.trainers.schedule``).
+gradient of ``J``. ``B`` and ``N`` come from the schedule (``slimecore.rollout.schedule``).
 """
 
 from __future__ import annotations

@@ -161,7 +161,7 @@ class RolloutManager:
         return {**self.fleet.metrics(), "rollout/request_retries": float(retries)}
 
     def _to_train_refs(self, samples: list[Sample], dp_size: int) -> list:
-        from slimecore.trainers.schedule import split_rollout_data
+        from slimecore.rollout.schedule import split_rollout_data
 
         data = convert_samples(self.hooks, self.config, samples)
         return [ray.put(part) for part in split_rollout_data(self.config, data, dp_size)]

@@ -1,6 +1,6 @@
 """The ``fsdp`` training backend: an HF ``AutoModelForCausalLM`` trained with plain torch.
 
-Parallelism. Every data-parallel rank runs its own micro-batches (``slimecore.trainers.schedule``) and the
+Parallelism. Every data-parallel rank runs its own micro-batches (``slimecore.rollout.schedule``) and the
 gradients are **summed** across ranks: the loss reducer already divides by the step's global rollout (or
 token) count, so the sum is the exact gradient of the step objective whatever the micro-batching and DP
 split. Two ways to hold the weights:

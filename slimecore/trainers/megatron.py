@@ -12,7 +12,7 @@ Parallelism follows Megatron's flags, as in slime: ``--tensor-model-parallel-siz
 ``--bf16``. The data-parallel size is ``world / (TP x PP x CP)``; the ranks of one TP/PP group get the same
 data (``data_parallel_rank``). ``--context-parallel-size`` > 1 is refused (see ``docs/megatron.md``).
 
-Micro-batches. The rollout manager's schedule (``slimecore.trainers.schedule``: static ``--micro-batch-size`` or
+Micro-batches. The rollout manager's schedule (``slimecore.rollout.schedule``: static ``--micro-batch-size`` or
 dynamic ``--max-tokens-per-gpu``) gives each DP rank its micro-batches. Each one is a packed THD stream ``[1, T]``:
 the samples concatenated, ``cu_seqlens`` at their boundaries, padded with id 0 to a multiple of the TP size
 (sequence parallelism splits T). With Transformer Engine the attention reads ``cu_seqlens``

@@ -41,7 +41,7 @@ def synthetic_batch(n: int = 8, seed: int = 0, vocab: int = 390) -> dict:
 
 def rank_part(data: dict, dp_size: int, dp_rank: int, micro_batch_size: int | None = 3,
               max_tokens: int | None = None) -> dict:
-    from slimecore.trainers.schedule import build_dp_schedule, split_for_ranks
+    from slimecore.rollout.schedule import build_dp_schedule, split_for_ranks
 
     rollouts = len(set(data["rollout_ids"]))
     schedule = build_dp_schedule(data["rollout_ids"], [len(t) for t in data["tokens"]], rollouts, dp_size,

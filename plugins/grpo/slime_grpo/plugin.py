@@ -8,8 +8,9 @@ from slimecore import hookimpl
 from slimecore.config import ConfigError, Option
 from slimecore.ops.kl import KL_TYPES
 from slimecore.ops.masked import masked_whiten
+from slimecore.ops.ppo_clip import policy_loss
 from slimecore.types import Status
-from slime_grpo.algorithm import group_normalize, overlong_penalty, policy_loss
+from slime_grpo.algorithm import group_normalize, overlong_penalty
 
 NAME = "grpo"
 

@@ -1,8 +1,8 @@
-"""slime-core hooks for GSPO (slime reference 4.5, step 2).
+"""slime-core hooks for GSPO (slime's ``--advantage-estimator gspo``).
 
-The loss is GRPO's clipped surrogate with a sequence-level ratio: for sample i,
-``s_i = sum_t (logp_old - logp) m / max(sum_t m, 1)`` is broadcast to every token as ``ppo_kl`` and the
-ratio is ``exp(-s_i)``, the geometric mean of the token ratios over the trainable tokens.
+The loss is the core's PPO-clip policy loss (``slimecore.ops.policy_loss``) with a sequence-level ratio: for
+sample i, ``s_i = sum_t (logp_old - logp) m / max(sum_t m, 1)`` is broadcast to every token as ``ppo_kl`` and
+the ratio is ``exp(-s_i)``, the geometric mean of the token ratios over the trainable tokens.
 
 Everything else is GRPO's, imported from ``slime_grpo`` (not copied): the options, their validation, group
 reward normalisation, advantages and the train inputs. The hooks below delegate to those functions with
@@ -12,8 +12,8 @@ this plugin's own option namespace, ``config.plugin("gspo")``, so ``--plugin gsp
 from __future__ import annotations
 
 from slime_grpo import plugin as grpo
-from slime_grpo.algorithm import policy_loss
 from slimecore import hookimpl
+from slimecore.ops.ppo_clip import policy_loss
 
 NAME = "gspo"
 

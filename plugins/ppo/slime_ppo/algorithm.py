@@ -1,4 +1,5 @@
-"""PPO-family estimators exactly as slime computes them (reference/slime.md 4.3, 4.6).
+"""PPO-family estimators exactly as slime computes them (its ``compute_advantages_and_returns`` and
+``value_loss_function``).
 
 Every function works on one sample's response tokens; all tensors are ``(R,)`` with ``R`` the response
 length, ``reward`` is the sample's scalar reward ``r`` after reward post-processing, ``kl`` the per-token

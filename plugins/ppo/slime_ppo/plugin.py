@@ -1,6 +1,7 @@
 """slime-core hooks for the PPO family: PPO with a critic (GAE), REINFORCE++ and REINFORCE++-baseline.
 
-Variant implemented (slime reference 4.1, 4.3, 4.4, 4.6; the estimators are in ``slime_ppo.algorithm``):
+Variant implemented (slime's ``compute_advantages_and_returns``, ``policy_loss_function`` and
+``value_loss_function``; the estimators are in ``slime_ppo.algorithm``):
 - ``--advantage-estimator ppo``: the plugin asks the core for a ``critic`` role (``slime_train_roles``); the
   critic's values (before its update) reach the actor's batch, the actor computes GAE advantages and
   returns, and the critic trains on those returns with the clipped value loss (``--value-clip``).
@@ -11,8 +12,8 @@ Variant implemented (slime reference 4.1, 4.3, 4.4, 4.6; the estimators are in `
   the recomputed old policy (the engine's with ``--use-rollout-logprobs``), as slime.
 - ``--normalize-advantages`` whitens the advantages over the step's trainable tokens on every DP rank;
   returns are not whitened. Both REINFORCE++ variants require it (slime asserts).
-- The actor loss is GRPO's clipped surrogate with its options (clip-higher, dual clip, entropy, KL loss),
-  imported from ``slime_grpo`` (a declared dependency), not copied.
+- The actor loss is the core's PPO-clip policy loss (``slimecore.ops.policy_loss``: clip-higher, dual clip,
+  TIS, entropy, KL loss) with GRPO's options, imported from ``slime_grpo`` (a declared dependency), not copied.
 
 Departure from slime, on purpose: slime's critic computes its own returns with ``kl = 0`` (it has no
 log-probs), so its targets omit the KL penalty the actor's advantages include. Here the critic trains on
@@ -24,12 +25,13 @@ from __future__ import annotations
 import torch
 
 from slime_grpo import plugin as grpo
-from slime_grpo.algorithm import group_normalize, policy_loss
+from slime_grpo.algorithm import group_normalize
 from slime_ppo.algorithm import gae, reinforce_plus_plus_baseline, reinforce_plus_plus_returns, value_loss
 from slimecore import hookimpl
 from slimecore.config import ConfigError, Option
 from slimecore.ops.kl import approx_kl
 from slimecore.ops.masked import masked_whiten
+from slimecore.ops.ppo_clip import policy_loss
 from slimecore.types import Status
 
 NAME = "ppo"
@@ -131,7 +133,7 @@ def slime_loss(config, role, batch, outputs, reducer):
 
 
 def critic_loss(o, batch: dict, outputs: dict, reducer):
-    """slime's ``value_loss_function``: clipped value loss reduced like the policy loss (4.6)."""
+    """slime's ``value_loss_function``: clipped value loss reduced like the policy loss."""
     values = outputs["values"]
     per_sample = [value_loss(v, old.to(v.device), ret.to(v.device), o.value_clip)
                   for v, old, ret in zip(values, batch["values"], batch["returns"])]

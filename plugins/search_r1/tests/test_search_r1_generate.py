@@ -13,13 +13,13 @@ import torch
 from search_r1_testkit import (CITIES, INVALID_FIRST, RetrievalServer, check_episode, search_data,  # noqa: F401
                                taught_checkpoint)
 from slimecore.config import Config
-from slimecore.defaults.rollout import sampling_params
+from slimecore.rollout.groups import sampling_params
 from slimecore.plugins import load_plugins
 from slimecore.rollout.client import RolloutClient
 from slimecore.rollout.manager import convert_samples
 from slimecore.testing import mask_runs
 from slimecore.trainers.fsdp import FSDPTrainer
-from slimecore.trainers.schedule import build_dp_schedule, split_for_ranks
+from slimecore.rollout.schedule import build_dp_schedule, split_for_ranks
 from slimecore.types import Status
 
 

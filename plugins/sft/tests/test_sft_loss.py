@@ -18,7 +18,7 @@ from slimecore.plugins import load_plugins
 from slimecore.testing.distributed import run_ranks
 from slimecore.rollout.manager import convert_samples
 from slimecore.trainers.fsdp import FSDPTrainer
-from slimecore.trainers.schedule import build_dp_schedule, split_for_ranks
+from slimecore.rollout.schedule import build_dp_schedule, split_for_ranks
 from slime_sft.plugin import sft_loss
 
 CONVERSATIONS = [

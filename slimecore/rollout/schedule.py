@@ -1,4 +1,5 @@
-"""Data-parallel schedule, built on the rollout manager: "pack first, distribute second" (slime reference 1.5).
+"""Data-parallel schedule, built by the rollout manager: "pack first, distribute second", as slime's
+``RolloutManager`` splits a rollout batch before sending each DP rank its share.
 
 1. Samples are grouped by rollout id (a rollout is never split across steps). Each optimizer step takes
    exactly ``global_batch_size`` rollouts, in order of first appearance; the trailing rollouts that do not
@@ -144,7 +145,7 @@ def split_for_ranks(train_data: dict, schedule: Schedule) -> list[dict]:
       "num_tokens": N}``, where B is the step's rollouts with at least one trainable token over all ranks
       and N its mask tokens over all ranks (the reducers' global denominators).
 
-    B departs from slime on purpose (DESIGN.md section 8): slime also counts rollouts whose loss mask is all
+    B departs from slime on purpose: slime also counts rollouts whose loss mask is all
     zeros (``remove_sample``), which shrinks every other rollout's weight; here such a rollout adds nothing to
     the numerator and nothing to B. With no fully masked rollout the two agree.
     """

@@ -1,0 +1,165 @@
+"""One prompt group through generate -> sample hooks -> reward, and the group filters' verdict: the parts the
+built-in rollout (``slimecore.defaults.rollout``) and the fully-async worker (``slimecore.rollout.fully_async``)
+both run.
+
+A reward hook that raises, returns NaN or runs past ``--reward-timeout`` marks that sample FAILED (reward 0, not
+trained) and is counted; the first few are logged with their traceback, and the group is not poisoned. A generate
+hook past ``--generate-timeout`` fails the step naming the plugin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import logging
+import math
+import time
+
+from slimecore.defaults.reward import combined_reward
+from slimecore.plugins import HookCallError, PluginError
+from slimecore.types import FilterResult, Sample, Status
+
+log = logging.getLogger("slimecore.rollout")
+FAILURES_LOGGED = 3  # reward failures logged with their traceback per rollout process
+
+
+def sampling_params(config, evaluation: bool = False) -> dict:
+    """SGLang sampling params from the run's options (eval overrides where given)."""
+    def pick(eval_value, value):
+        return eval_value if evaluation and eval_value is not None else value
+
+    params = {
+        "temperature": pick(config.eval_temperature, config.rollout_temperature),
+        "top_p": pick(config.eval_top_p, config.rollout_top_p),
+        "top_k": config.rollout_top_k,
+        "max_new_tokens": pick(config.eval_max_response_len, config.rollout_max_response_len),
+        "skip_special_tokens": config.rollout_skip_special_tokens,
+        "no_stop_trim": True,
+        "spaces_between_special_tokens": False,
+    }
+    if config.rollout_stop:
+        params["stop"] = list(config.rollout_stop)
+    if config.rollout_stop_token_ids:
+        params["stop_token_ids"] = list(config.rollout_stop_token_ids)
+    return params
+
+
+def concurrency(config) -> int:
+    return config.sglang_server_concurrency * max(1, config.rollout_num_gpus // config.rollout_num_gpus_per_engine)
+
+
+class GroupRunner:
+    """Runs generate -> sample hooks -> reward for one prompt group, with the global concurrency cap."""
+
+    def __init__(self, config, client, hooks, rollout_id: int, evaluation: bool, semaphore: asyncio.Semaphore):
+        self.config, self.client, self.hooks = config, client, hooks
+        self.rollout_id, self.evaluation, self.semaphore = rollout_id, evaluation, semaphore
+        self.params = sampling_params(config, evaluation)
+        self.reward_failures = 0
+        self.reward_time = 0.0  # seconds spent in reward hooks, summed over samples (they overlap)
+
+    async def run(self, group: list[Sample]) -> list[Sample]:
+        results = await asyncio.gather(*(self._generate(s) for s in group))
+        samples = [s for r in results for s in (r if isinstance(r, list) else [r])]
+        for sample in samples:
+            for answer in self.hooks.process_sample(config=self.config, sample=sample, rollout_id=self.rollout_id,
+                                                    evaluation=self.evaluation):
+                if inspect.isawaitable(answer):  # an async implementation (slime's sample hooks may be async)
+                    await answer
+        if any(s.status == Status.ABORTED for s in samples):
+            return samples  # goes back to the buffer; scored when it completes
+        if self._group_rm():
+            try:
+                rewards = await self._bounded_reward("slime_group_reward", self.hooks.group_reward(
+                    config=self.config, samples=samples))
+            except HookCallError as exc:  # the whole group is unscored: mark each sample, as for slime_reward
+                for sample in samples:
+                    self._fail(sample, str(exc))
+                return samples
+            for sample, reward in zip(samples, rewards, strict=True):
+                self._set_reward(sample, reward)
+        else:
+            # a generate hook may score its samples itself (an agent's reward): those are not scored again
+            await asyncio.gather(*(self._reward(s) for s in samples if s.reward is None))
+        return samples
+
+    def _group_rm(self) -> bool:
+        """``--group-rm`` scores whole groups, except where a plugin's own per-sample reward would be bypassed
+        by the built-in group scorer, which only knows the built-in reward types."""
+        if not self.config.group_rm or self.evaluation:
+            return False
+        group, single = self.hooks.answerer("slime_group_reward"), self.hooks.answerer("slime_reward")
+        return not (self.hooks.is_default(group) and not self.hooks.is_default(single))
+
+    async def _generate(self, sample: Sample):
+        if sample.status in (Status.COMPLETED, Status.TRUNCATED):
+            return sample  # finished before its group was aborted; resumed groups only continue the rest
+        async with self.semaphore:
+            start = time.perf_counter()
+            call = self.hooks.generate(config=self.config, sample=sample, sampling_params=self.params,
+                                       client=self.client, evaluation=self.evaluation, hooks=self.hooks)
+            try:
+                out = await asyncio.wait_for(call, self.config.generate_timeout)
+            except asyncio.TimeoutError:
+                plugin = self.hooks.plugin_name(self.hooks.answerer("slime_generate"))
+                raise PluginError(f"plugin {plugin!r}: slime_generate did not return within --generate-timeout "
+                                  f"{self.config.generate_timeout:g}s for sample {sample.index}; fix the hook (is "
+                                  "it waiting on something that never answers?) or raise the timeout") from None
+            for s in out if isinstance(out, list) else [out]:
+                s.metadata["generate_time"] = time.perf_counter() - start
+            return out
+
+    async def _reward(self, sample: Sample) -> None:
+        start = time.perf_counter()
+        try:
+            reward = await self._bounded_reward("slime_reward", combined_reward(self.hooks, self.config, sample))
+        except HookCallError as exc:
+            self._fail(sample, str(exc), exc.cause_traceback)
+            return
+        finally:
+            self.reward_time += time.perf_counter() - start
+        self._set_reward(sample, reward)
+
+    def _set_reward(self, sample: Sample, reward) -> None:
+        value = reward.get(self.config.reward_key) if isinstance(reward, dict) and self.config.reward_key else reward
+        if isinstance(value, (int, float)) and math.isnan(float(value)):
+            self._fail(sample, "reward is NaN")
+            return
+        sample.reward = reward
+
+    async def _bounded_reward(self, hook: str, call):
+        """A reward hook's answer within ``--reward-timeout``; past it, a HookCallError naming the plugin."""
+        try:
+            return await asyncio.wait_for(call, self.config.reward_timeout)
+        except asyncio.TimeoutError:
+            plugin = self.hooks.plugin_name(self.hooks.answerer(hook))
+            raise HookCallError(plugin, hook, TimeoutError(
+                f"no answer within --reward-timeout {self.config.reward_timeout:g}s")) from None
+
+    def _fail(self, sample: Sample, why: str, trace: str | None = None) -> None:
+        self.reward_failures += 1
+        if self.reward_failures <= FAILURES_LOGGED:
+            log.warning("sample %s: reward failed (%d so far this step; the sample is not trained): %s%s", sample.index,
+                        self.reward_failures, why, f"\n{trace}" if trace else "")
+        sample.status, sample.reward, sample.remove_sample = Status.FAILED, 0.0, True
+        sample.metadata["reward_error"] = why
+
+
+def first_rejection(hooks, config, group: list[Sample]) -> tuple[FilterResult, str | None]:
+    """The first rejecting verdict of the group filters, with the plugin that gave it (None: all keep)."""
+    for plugin, answer in hooks.answers("slime_filter_group", config=config, samples=group):
+        result = answer if isinstance(answer, FilterResult) else FilterResult(bool(answer))
+        if not result.keep:
+            return result, plugin
+    return FilterResult(True), None
+
+
+
+def warn_if_starving(drops: collections.Counter, accepted: int, target: int) -> None:
+    """A filter that rejects (nearly) everything would make a step sample forever: say so, every 10x target."""
+    dropped = sum(drops.values())
+    if dropped % (10 * target) == 0:
+        log.warning("dynamic sampling has dropped %d groups (%s) while %d of %d are accepted; if this goes on, "
+                    "check the filter (--dynamic-sampling-filter, slime_filter_group) and the rewards", dropped,
+                    ", ".join(f"{reason}: {n}" for reason, n in drops.most_common(3)), accepted, target)
