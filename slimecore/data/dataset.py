@@ -150,7 +150,7 @@ def read_rows(spec: str) -> list[tuple[str, dict]]:
     return chosen
 
 
-def _json_field(row: dict, key: str, where: str, kind: type):
+def json_field(row: dict, key: str, where: str, kind: type):
     """``row[key]`` as a ``kind`` (dict or list); a JSON string of one is decoded (parquet often stores them so)."""
     value = row.get(key)
     if isinstance(value, str):
@@ -187,8 +187,8 @@ def parse_row(where: str, row: dict, *, input_key: str, label_key: str | None, m
     if label_key and label_key not in row:
         raise DataError(f"{where}: no key {label_key!r} (keys present: {sorted(row)}); set --label-key to the "
                         "key holding the answer, or leave it unset for unlabelled prompts")
-    metadata = dict((_json_field(row, metadata_key, where, dict) or {}) if metadata_key else {})
-    tools = _json_field(row, tool_key, where, list) if tool_key else None
+    metadata = dict((json_field(row, metadata_key, where, dict) or {}) if metadata_key else {})
+    tools = json_field(row, tool_key, where, list) if tool_key else None
     if tools is not None:
         metadata["tools"] = tools
     prompt = row[input_key]

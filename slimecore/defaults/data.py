@@ -1,14 +1,15 @@
-"""Built-in data-source plugin: ``--prompt-data`` files or a built-in ``--task``."""
+"""Built-in data-source plugin: ``--prompt-data`` files or a built-in ``--task``, and the default buffer filter."""
 
 from slimecore import hookimpl
-from slimecore.data.source import PromptDataSource, pop_first
+from slimecore.data.source import PromptDataSource, hook_buffer_filter, pop_first
 
 
 @hookimpl
 def slime_data_source(config, tokenizer, hooks):
-    def buffer_filter(buffer, num_groups):
-        # slime_buffer_filter is a first-answer hook: None means no plugin chose, so take the oldest groups
-        chosen = hooks.buffer_filter(config=config, buffer=buffer, num_groups=num_groups)
-        return pop_first(buffer, num_groups) if chosen is None else chosen
+    return PromptDataSource.from_config(config, tokenizer, buffer_filter=hook_buffer_filter(config, hooks))
 
-    return PromptDataSource.from_config(config, tokenizer, buffer_filter=buffer_filter)
+
+@hookimpl(trylast=True)
+def slime_buffer_filter(config, buffer, num_groups):
+    """slime's default (``pop_first``): resume the oldest buffered groups. Any plugin that answers goes first."""
+    return pop_first(buffer, num_groups)

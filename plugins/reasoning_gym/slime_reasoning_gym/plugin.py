@@ -22,7 +22,7 @@ from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
 from slimecore import hookimpl
 from slimecore.config import ConfigError, Option, json_value
-from slimecore.data.source import pop_first
+from slimecore.data.source import hook_buffer_filter
 from slimecore.defaults import reward as default_reward
 
 from slime_reasoning_gym.difficulty import DifficultyController, Thresholds
@@ -122,14 +122,11 @@ def slime_data_source(config, tokenizer, hooks):
             text = "\n\n".join(m["content"] for m in messages) + "\n"
         return text, tokenizer(text, add_special_tokens=False).input_ids
 
-    def buffer_filter(buffer, num_groups):
-        chosen = hooks.buffer_filter(config=config, buffer=buffer, num_groups=num_groups)
-        return pop_first(buffer, num_groups) if chosen is None else chosen
-
     system = None if opts.rg_system_prompt == NO_SYSTEM_PROMPT else SYSTEM_PROMPTS[opts.rg_system_prompt]
     source = ReasoningGymSource(tasks, controller, render, n_samples_per_prompt=config.n_samples_per_prompt,
                                 system_prompt=system, seed=config.rollout_seed, size=config.task_size,
-                                max_prompt_len=config.rollout_max_prompt_len, buffer_filter=buffer_filter)
+                                max_prompt_len=config.rollout_max_prompt_len,
+                                buffer_filter=hook_buffer_filter(config, hooks))
     _SOURCES[:] = [source]
     log.info("reasoning_gym: tasks %s, top levels %s, start level %d, adapt %s", opts.rg_tasks,
              {t.name: t.top_level for t in tasks}, opts.rg_start_level, opts.rg_adapt)
@@ -148,7 +145,7 @@ def grade(config, sample) -> float:
 @hookimpl
 async def slime_reward(config, sample):
     if METADATA_KEY not in sample.metadata:
-        return await default_reward.slime_reward(config, sample)
+        return await default_reward.score(config, sample)
     score = await asyncio.to_thread(grade, config, sample)  # some tasks' checks are slow; keep the loop free
     if _SOURCES:
         meta = sample.metadata[METADATA_KEY]

@@ -32,8 +32,7 @@ from pathlib import Path
 from slimecore import hookimpl
 from slimecore.config import ConfigError, Option
 from slimecore.data.dataset import read_rows
-from slimecore.data.source import PromptDataSource, pop_first, prompts_from_rows
-from slimecore.defaults import data as default_data
+from slimecore.data.source import PromptDataSource, hook_buffer_filter, prompts_from_rows
 from slimecore.tools import parse_tag_call, run_tool, run_turns
 
 from slime_search_r1.dataset import CORPUS_PATH, DATASETS, QA_PATH, golden_answers, make_prompt
@@ -118,7 +117,7 @@ def slime_datasets():
 def slime_data_source(config, tokenizer, hooks):
     """``--prompt-data`` as the built-in reads it; without it, the shipped QA set (``--task`` is not used)."""
     if config.prompt_data is not None:
-        source = default_data.slime_data_source(config, tokenizer, hooks)
+        source = PromptDataSource.from_config(config, tokenizer, buffer_filter=hook_buffer_filter(config, hooks))
         where = config.prompt_data
     else:
         rows = read_rows(str(QA_PATH))
@@ -128,12 +127,9 @@ def slime_data_source(config, tokenizer, hooks):
         records, filtered = prompts_from_rows(config, tokenizer, rows, str(QA_PATH), input_key="input",
                                               label_key="label", apply_chat_template=config.apply_chat_template)
 
-        def buffer_filter(buffer, num_groups):
-            chosen = hooks.buffer_filter(config=config, buffer=buffer, num_groups=num_groups)
-            return pop_first(buffer, num_groups) if chosen is None else chosen
-
         source = PromptDataSource(records, config.n_samples_per_prompt, shuffle=config.rollout_shuffle,
-                                  seed=config.rollout_seed, buffer_filter=buffer_filter, num_filtered=filtered)
+                                  seed=config.rollout_seed, buffer_filter=hook_buffer_filter(config, hooks),
+                                  num_filtered=filtered)
         where = str(QA_PATH)
         log.info("search_r1: no --prompt-data, training on the shipped QA set (%d questions)", len(records))
     for number, record in enumerate(source.records, start=1):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from slimecore.data.dataset import DataError, _json_field, read_rows
+from slimecore.data.dataset import DataError, json_field, read_rows
 from slimecore.data.source import PromptDataSource
 from slimecore.data.tasks import get_task
 from slimecore.types import Sample, Status
@@ -48,10 +48,10 @@ def read_conversations(config) -> list[Conversation]:
         if key not in row:
             raise DataError(f"{where}: no key {key!r} (keys present: {sorted(row)}); set --input-key to the key "
                             "holding the conversation (slime's SFT data uses --input-key messages)")
-        messages = _json_field(row, key, where, list)
+        messages = json_field(row, key, where, list)
         check_messages(messages, where, key)
-        tools = _json_field(row, config.tool_key, where, list) if config.tool_key else None
-        metadata = dict((_json_field(row, config.metadata_key, where, dict) or {}) if config.metadata_key else {})
+        tools = json_field(row, config.tool_key, where, list) if config.tool_key else None
+        metadata = dict((json_field(row, config.metadata_key, where, dict) or {}) if config.metadata_key else {})
         if tools is not None:
             metadata["tools"] = tools
         if config.label_key and config.label_key not in row:
