@@ -118,7 +118,7 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     from slimecore.agents.server import SessionServer
-    from slimecore.models import load_tokenizer
+    from slimecore.hf_checkpoint import load_tokenizer
     from slimecore.rollout.client import RolloutClient
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -127,7 +127,7 @@ def main() -> None:
 
             checkpoint = make_tiny_checkpoint(Path(tmp) / "model", hidden=256, layers=4, heads=8, kv_heads=4)
         else:
-            from slimecore.models import default_checkpoint_dir
+            from slimecore.hf_checkpoint import default_checkpoint_dir
 
             checkpoint = default_checkpoint_dir()
         tokenizer = load_tokenizer(str(checkpoint))

@@ -46,7 +46,7 @@ def main() -> None:
     from slimecore.trainers.weight_sender import Endpoint, WeightSender
 
     if args.model == "smollm2":
-        from slimecore.models import resolve_checkpoint
+        from slimecore.hf_checkpoint import resolve_checkpoint
 
         checkpoint = resolve_checkpoint(None)
     else:

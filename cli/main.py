@@ -56,7 +56,7 @@ def train(ctx):
         hooks.bind(config).validate_config(config=config)
         hooks.check(skip_required=_not_needed(config))
         check_reward_sources(hooks, config)
-        from slimecore.models import resolve_checkpoint
+        from slimecore.hf_checkpoint import resolve_checkpoint
 
         config.hf_checkpoint = str(resolve_checkpoint(config.hf_checkpoint))
         if config.megatron_args:

@@ -192,7 +192,7 @@ def slime_observation(config: Config, sample: Sample, text: str, turn: int) -> s
     """Multi-turn environments for the built-in generate: after model turn ``turn`` (from 0) whose text is
     ``text``, return the observation to append (tokenised, loss mask 0, log-prob 0), or None to end the
     episode. With an implementation active, the built-in ``slime_generate`` runs up to ``--max-turns``
-    turns (``slimecore.tools.run_turns``); put the tool call's closing tags in ``--rollout-stop``. May be
+    turns (``slimecore.rollout.turns.run_turns``); put the tool call's closing tags in ``--rollout-stop``. May be
     async. The first active plugin that implements it answers.
 
     Called in: rollout, after each model turn but the last.

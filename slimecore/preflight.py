@@ -54,7 +54,7 @@ def check_hf_checkpoint(config: Config):
     from transformers import AutoConfig
 
     from slimecore.convert import ConvertError, check_hf_weights
-    from slimecore.models import load_tokenizer
+    from slimecore.hf_checkpoint import load_tokenizer
 
     path = Path(config.hf_checkpoint)
     try:

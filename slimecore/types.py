@@ -1,6 +1,9 @@
 """Small data contracts shared by every process: ``Sample``, ``FilterResult``, ``RolloutOutput``.
 
-Field names and status values follow slime's ``slime/utils/types.py`` so custom code ports over.
+Field names and status values follow slime's ``slime/utils/types.py`` so custom code ports over. slime's fields
+for features slime-core does not have (top-p replay, routing replay, on-policy distillation, per-sample train
+metadata) are not declared: a slime function that sets one still may (it becomes a plain attribute, which
+slime-core ignores), and ``from_dict`` keeps such keys as attributes.
 A ``Sample`` holds one prompt and its response as token ids; everything the trainer needs is a list
 aligned with the response tokens (``loss_mask``, ``rollout_log_probs``).
 """
@@ -44,10 +47,10 @@ class Sample:
     rollout_id: int | None = None
     prompt: str | list[dict] = ""
     tokens: list[int] = field(default_factory=list)
+    # slime's generate (which custom generate functions start from) reads these two; slime-core serves text
+    # only, so they stay None here
     multimodal_inputs: dict | None = None
     multimodal_train_inputs: dict | None = None
-    multimodal_train_input_id: str | None = None
-    apply_chat_template_kwargs: dict = field(default_factory=dict)
     response: str = ""
     response_length: int = 0
     label: Any = None
@@ -55,18 +58,12 @@ class Sample:
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
-    rollout_top_p_token_ids: list[int] | None = None
-    rollout_top_p_token_offsets: list[int] | None = None
-    rollout_routed_experts: Any = None
     remove_sample: bool = False
-    teacher_log_probs: list[float] | None = None
     status: Status = Status.PENDING
     metadata: dict = field(default_factory=dict)
     generate_function_path: str | None = None
     custom_rm_path: str | None = None
-    train_metadata: dict | None = None
     session_id: str | None = None
-    non_generation_time: float = 0.0
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -232,14 +229,6 @@ class RolloutOutput:
     # the data-source state to checkpoint after this step, when the rollout holds groups outside the data
     # source (the fully-async worker's queue); None: the data source's own state_dict()
     data_state: dict | None = None
-
-
-@dataclass
-class EvalOutput:
-    """Eval result per dataset name: rewards, truncation flags and the samples."""
-
-    data: dict[str, dict]
-    metrics: dict[str, float] = field(default_factory=dict)
 
 
 class DataSource:

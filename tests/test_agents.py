@@ -299,7 +299,7 @@ def test_tool_call_parsing_and_templates_that_read_tools(tiny_hf_checkpoint):
     assert tool_parser("test_agents:always_add")("x")[1][0]["function"]["name"] == "add"
     with pytest.raises(ValueError, match="unknown"):
         tool_parser("nope")
-    from slimecore.models import load_tokenizer
+    from slimecore.hf_checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_hf_checkpoint))
     messages = [{"role": "user", "content": "hi"},
@@ -346,7 +346,7 @@ class InProcessAgent:
 @pytest.mark.parametrize("mode", ["ok", "none", "raise", "slow", "silent"])
 def test_slime_agent_through_the_built_in_generate(tiny_engine, tiny_hf_checkpoint, mode):
     from slimecore.rollout.groups import sampling_params
-    from slimecore.models import load_tokenizer
+    from slimecore.hf_checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_hf_checkpoint))
     hooks = load_plugins([], extra=[InProcessAgent(mode)])

@@ -14,7 +14,7 @@ from slimecore.config import Config
 from slimecore.data.dataset import DataError, parse_spec, read_rows, to_prompts
 from slimecore.data.source import PromptDataSource, load_prompts, make_eval_source
 from slimecore.data.tasks import TASKS
-from slimecore.models import load_tokenizer
+from slimecore.hf_checkpoint import load_tokenizer
 from slimecore.plugins import load_plugins
 from slimecore.types import Sample
 

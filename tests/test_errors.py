@@ -95,7 +95,7 @@ def test_a_step_with_too_many_failed_samples_stops_the_run():
 
 def test_a_prompt_longer_than_the_models_context_is_dropped_and_counted(tiny_checkpoint, tmp_path, caplog):
     from slimecore.data.source import PromptDataSource
-    from slimecore.models import load_tokenizer
+    from slimecore.hf_checkpoint import load_tokenizer
 
     context = json.loads((tiny_checkpoint / "config.json").read_text())["max_position_embeddings"]
     rows = [{"input": "What is 1 + 2?"}, {"input": "apple " * (2 * context)}, {"input": "What is 3 + 4?"}]

@@ -11,7 +11,7 @@ import pytest
 from slimecore.config import Config
 from slimecore.data.dataset import DataError, read_rows
 from slimecore.data.source import PromptDataSource
-from slimecore.models import load_tokenizer
+from slimecore.hf_checkpoint import load_tokenizer
 
 datasets = pytest.importorskip("datasets")
 

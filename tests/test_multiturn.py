@@ -12,7 +12,7 @@ import torch
 from slimecore import hookimpl
 from slimecore.config import Config
 from slimecore.data.source import PromptDataSource, load_prompts
-from slimecore.models import load_tokenizer
+from slimecore.hf_checkpoint import load_tokenizer
 from slimecore.plugins import load_plugins
 from slimecore.rollout.client import RolloutClient
 from slimecore.rollout.manager import convert_samples

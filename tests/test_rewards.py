@@ -17,7 +17,7 @@ from aiohttp import web
 from slimecore import hookimpl
 from slimecore.config import Config, ConfigError
 from slimecore.data.source import PromptDataSource, load_prompts
-from slimecore.models import load_tokenizer
+from slimecore.hf_checkpoint import load_tokenizer
 from slimecore.plugins import HookCallError, load_plugins
 from slimecore.rewards import math as math_rewards
 from slimecore.rewards.dapo import dapo_reward

@@ -161,7 +161,7 @@ def test_a_bad_path_fails_before_ray(workdir):
 
 
 def test_buffer_filter_picks_the_buffered_groups_the_data_source_serves(workdir, tiny_checkpoint):
-    from slimecore.models import load_tokenizer
+    from slimecore.hf_checkpoint import load_tokenizer
 
     config = Config.make(prompt_data=str(workdir / "prompts.jsonl"), label_key="label", n_samples_per_prompt=2,
                          plugin_values={NAME: {"buffer_filter_path": M + "newest_first", "slime_sys_path": [

@@ -143,8 +143,7 @@ class Trajectory:
                 continue
             sample = base if not samples else Sample(
                 group_index=base.group_index, index=base.index, prompt=base.prompt, label=base.label,
-                metadata=dict(base.metadata), session_id=base.session_id,
-                apply_chat_template_kwargs=dict(base.apply_chat_template_kwargs))
+                metadata=dict(base.metadata), session_id=base.session_id)
             sample.rollout_id = rollout_id
             sample.tokens, sample.response_length = list(tokens), len(tokens) - start
             sample.loss_mask, sample.rollout_log_probs = mask, log_probs

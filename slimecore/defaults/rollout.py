@@ -50,7 +50,7 @@ async def slime_generate(config, sample: Sample, sampling_params: dict, client, 
 
         return await run_episode(config, sample, client, hooks, sampling_params)
     if hooks.implementers("slime_observation"):
-        from slimecore.tools import run_turns
+        from slimecore.rollout.turns import run_turns
 
         if sample.response_length:
             sample.reset_response()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 
 def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on ``host`` now (the OS picks it); every process that needs one to listen on asks here."""
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]

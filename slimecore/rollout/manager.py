@@ -35,7 +35,7 @@ class RolloutManager:
         self.config = config = Config.from_dict(config_dict)
         self.hooks = load_for_config(config)
         self.hooks.startup(config=config, process="rollout")
-        from slimecore.models import load_tokenizer
+        from slimecore.hf_checkpoint import load_tokenizer
 
         self.tokenizer = load_tokenizer(config.hf_checkpoint)
         self.data_source = self.hooks.data_source(config=config, tokenizer=self.tokenizer, hooks=self.hooks)
@@ -81,12 +81,6 @@ class RolloutManager:
     def engines(self) -> list:
         """``[(handle, url), ...]`` of the engines serving now (a replaced engine has a new handle and URL)."""
         return self.fleet.engines if self.fleet else []
-
-    def engine_urls(self) -> list[str]:
-        return [url for _, url in self.engines]
-
-    def router_url(self) -> str | None:
-        return self.router.url if self.router else None
 
     def weight_endpoints(self) -> list:
         """Where train rank 0 pushes weights (``slimecore.trainers.weight_sender.Endpoint`` per engine)."""

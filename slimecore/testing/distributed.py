@@ -12,15 +12,10 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import traceback
 from typing import Any, Callable
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from slimecore.engines.router import free_port
 
 
 def _entry(rank: int, world: int, port: int, fn: Callable, args: tuple, queue) -> None:
@@ -44,7 +39,7 @@ def run_ranks(fn: Callable[..., Any], *args: Any, world: int = 2, timeout: float
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
-    queue, port = ctx.Queue(), _free_port()
+    queue, port = ctx.Queue(), free_port()
     procs = [ctx.Process(target=_entry, args=(r, world, port, fn, args, queue)) for r in range(world)]
     for p in procs:
         p.start()

@@ -45,7 +45,7 @@ def agent_sessions(engine_url: str, checkpoint: str | Path, tool_parser: str = "
     """A started session server for the engine (or router) at ``engine_url``, using ``checkpoint``'s tokenizer."""
     from slimecore.agents.chat import tool_parser as parser
     from slimecore.agents.server import SessionServer, served_model_name
-    from slimecore.models import load_tokenizer
+    from slimecore.hf_checkpoint import load_tokenizer
     from slimecore.rollout.client import RolloutClient
 
     tokenizer = load_tokenizer(str(checkpoint))

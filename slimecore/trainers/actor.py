@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
-import socket
 from pathlib import Path
 
 import ray
@@ -17,6 +16,7 @@ from ray.util.placement_group import PlacementGroup
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from slimecore.config import Config, torch_threads
+from slimecore.engines.router import free_port
 from slimecore.plugins import load_for_config
 from slimecore.raytools import TRAIN_GPU_SHARE, bundle_options, local_gpu, ray_get, spans_nodes
 
@@ -167,16 +167,10 @@ def train_timeout(config: Config) -> float:
     return config.train_timeout or config.ray_timeout
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _rendezvous_address() -> tuple[str, int]:
     """This node's address and a free port on it: where rank 0 of a multi-node group listens."""
     address = ray.util.get_node_ip_address()
-    return address, _free_port(address)
+    return address, free_port(address)
 
 
 class TrainGroup:
@@ -185,7 +179,7 @@ class TrainGroup:
     def __init__(self, config: Config, pg: PlacementGroup | None, bundles: list[int], role: str = "actor"):
         self.config, self.role = config, role
         world = len(bundles)
-        master_addr, port = "127.0.0.1", _free_port()
+        master_addr, port = "127.0.0.1", free_port()
         if spans_nodes(pg):  # rank 0's node address, as every rank must reach it
             task = ray.remote(_rendezvous_address).options(num_cpus=0, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=bundles[0]))

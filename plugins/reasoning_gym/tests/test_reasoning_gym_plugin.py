@@ -31,7 +31,7 @@ def _config(*argv):
 
 @pytest.fixture
 def tokenizer(tiny_hf_checkpoint):
-    from slimecore.models import load_tokenizer
+    from slimecore.hf_checkpoint import load_tokenizer
 
     return load_tokenizer(str(tiny_hf_checkpoint))
 

@@ -2,7 +2,7 @@
 
 Hooks:
 - ``slime_generate``: up to ``--max-turns`` model turns (default 2, as slime's example), each stopped at
-  ``</search>`` or ``</answer>`` (``slimecore.tools.run_turns``). The turn's first ``<search>..</search>`` or
+  ``</search>`` or ``</answer>`` (``slimecore.rollout.turns.run_turns``). The turn's first ``<search>..</search>`` or
   ``<answer>..</answer>`` (Search-R1's regex) is the action: a search appends
   ``\\n\\n<information>{docs}</information>\\n\\n`` (loss mask 0, log-prob 0), an answer ends the episode,
   anything else appends Search-R1's fixed "My previous action is invalid..." text. Documents come from a
@@ -16,7 +16,7 @@ Hooks:
 - ``slime_validate_config``, ``slime_options``, ``slime_datasets``.
 
 Departures from slime's example, each for a reason given where it is implemented: turns are sent as
-token ids, not re-tokenised text (``slimecore.tools``); no search runs after the last turn (nothing would
+token ids, not re-tokenised text (``slimecore.rollout.turns``); no search runs after the last turn (nothing would
 read it); ``--rollout-max-context-len``, when set, bounds prompt + response; a failing search server is an
 error after retries, not an empty result (``retrieval.py``); the reward reads the model's answer in the
 response, not in the prompt or in the invalid-action reply (``reward.py``). Like slime, partial rollout is
@@ -33,7 +33,7 @@ from slimecore import hookimpl
 from slimecore.config import ConfigError, Option
 from slimecore.data.dataset import read_rows
 from slimecore.data.source import PromptDataSource, hook_buffer_filter, prompts_from_rows
-from slimecore.tools import parse_tag_call, run_tool, run_turns
+from slimecore.rollout.turns import parse_tag_call, run_tool, run_turns
 
 from slime_search_r1.dataset import CORPUS_PATH, DATASETS, QA_PATH, golden_answers, make_prompt
 from slime_search_r1.retrieval import Bm25Retriever, HttpRetriever, format_passages

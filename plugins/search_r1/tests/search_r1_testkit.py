@@ -4,7 +4,7 @@ positions, and a tiny model taught to act in the Search-R1 format (so that searc
 The tiny model is random, so it never writes ``<search>``. ``taught_checkpoint`` fine-tunes it (150 Adam
 steps, a few seconds) on whole episodes (prompt, ``<think>..</think><search> query </search>``, the real BM25
 observation, then ``<think>..</think><answer> city </answer>``; one episode starts with an invalid action
-instead), with the loss on the model's turns only, until it reproduces them. The episodes are built exactly as ``slimecore.tools.run_turns`` builds samples (each segment tokenised
+instead), with the loss on the model's turns only, until it reproduces them. The episodes are built exactly as ``slimecore.rollout.turns.run_turns`` builds samples (each segment tokenised
 on its own), so the generate hook then drives a real engine through real searches.
 """
 
@@ -18,7 +18,7 @@ import pytest
 from slime_search_r1.plugin import INVALID_ACTION
 from slime_search_r1.retrieval import Bm25Retriever, format_passages
 from slimecore.testing import mask_runs
-from slimecore.tools import parse_tag_call
+from slimecore.rollout.turns import parse_tag_call
 
 CITIES = {"France": "Paris", "Australia": "Canberra", "Canada": "Ottawa", "Kenya": "Nairobi"}
 CORPUS = [{"id": str(i), "contents": f'"{city}"\n{city} is the capital of {country}.'}

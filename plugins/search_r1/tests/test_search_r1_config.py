@@ -43,7 +43,7 @@ def test_the_cli_reports_them_before_ray_starts():
 
 
 def test_without_prompt_data_the_shipped_questions_are_served(tiny_hf_checkpoint):
-    from slimecore.models import load_tokenizer
+    from slimecore.hf_checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_hf_checkpoint))
     hooks, config = _config("--n-samples-per-prompt", "2", "--apply-chat-template")
@@ -60,7 +60,7 @@ def test_without_prompt_data_the_shipped_questions_are_served(tiny_hf_checkpoint
 def test_the_shipped_set_runs_with_its_own_quick_start_and_a_worked_example(tiny_hf_checkpoint):
     from slime_search_r1.dataset import ONE_SHOT_EXAMPLE, make_prompt
     from slime_search_r1.plugin import QUICKSTART
-    from slimecore.models import load_tokenizer
+    from slimecore.hf_checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_hf_checkpoint))
     hooks, config = _config()
@@ -78,7 +78,7 @@ def test_the_shipped_set_runs_with_its_own_quick_start_and_a_worked_example(tiny
 
 
 def test_prompt_data_is_read_as_the_built_in_does_and_labels_are_checked(tiny_hf_checkpoint, tmp_path):
-    from slimecore.models import load_tokenizer
+    from slimecore.hf_checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(str(tiny_hf_checkpoint))
     data = tmp_path / "qa.jsonl"

@@ -9,7 +9,7 @@ import pytest
 
 from slimecore.config import Config
 from slimecore.data.dataset import DataError
-from slimecore.models import load_tokenizer
+from slimecore.hf_checkpoint import load_tokenizer
 from slimecore.types import Status
 from slime_sft.data import SFTDataSource, read_conversations, stop_token_ids
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from slimecore.config import Config
-from slimecore.models import load_tokenizer
+from slimecore.hf_checkpoint import load_tokenizer
 from slimecore.ops.reducers import make_sample_mean_reducer, make_token_mean_reducer
 from slimecore.plugins import load_plugins
 from slimecore.testing.distributed import run_ranks

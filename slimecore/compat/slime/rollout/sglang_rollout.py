@@ -22,7 +22,7 @@ class GenerateState:
         return cls._instance
 
     def _setup(self, args) -> None:
-        from slimecore.models import load_tokenizer
+        from slimecore.hf_checkpoint import load_tokenizer
 
         self.args = args
         self.tokenizer = load_tokenizer(args.hf_checkpoint)

@@ -8,8 +8,8 @@ import time
 
 import pytest
 
-from slimecore import models
-from slimecore.models import CheckpointError, default_checkpoint_dir, resolve_checkpoint
+from slimecore import hf_checkpoint
+from slimecore.hf_checkpoint import CheckpointError, default_checkpoint_dir, resolve_checkpoint
 
 
 def test_local_checkpoint_is_validated(tmp_path, tiny_checkpoint):
@@ -44,7 +44,7 @@ def test_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
     fake = tmp_path / "pkg" / "broken.gguf"
     fake.parent.mkdir()
     fake.write_bytes(b"not a gguf file")
-    monkeypatch.setattr(models, "find_default_gguf", lambda: fake)
+    monkeypatch.setattr(hf_checkpoint, "find_default_gguf", lambda: fake)
     with pytest.raises(Exception):
         resolve_checkpoint(None, cache_dir=tmp_path / "cache")
     target = default_checkpoint_dir(tmp_path / "cache")
@@ -67,7 +67,7 @@ def test_default_smollm2_converts_once_and_answers(tmp_path):
 
     stale = default_checkpoint_dir(tmp_path)  # a cache from an older conversion format is replaced
     stale.mkdir(parents=True)
-    (stale / models.STAMP).write_text(json.dumps({"format": 1}))
+    (stale / hf_checkpoint.STAMP).write_text(json.dumps({"format": 1}))
     (stale / "junk").write_text("")
     path = resolve_checkpoint(None, cache_dir=tmp_path)
     assert path == stale and not (path / "junk").exists()
@@ -78,7 +78,7 @@ def test_default_smollm2_converts_once_and_answers(tmp_path):
 
     config = json.loads((path / "config.json").read_text())
     assert "quantization_config" not in config and config["dtype"] == "float32"
-    tok = models.load_tokenizer(path)
+    tok = hf_checkpoint.load_tokenizer(path)
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == config["eos_token_id"] and tok.chat_template
     model = AutoModelForCausalLM.from_pretrained(path)
     assert getattr(model, "hf_quantizer", None) is None, "a reloaded model must be saveable again"

@@ -1,4 +1,4 @@
-"""slimecore.tools: parsing a tool call, running a sync or async tool, appending observations, and the turn
+"""slimecore.rollout.turns: parsing a tool call, running a sync or async tool, appending observations, and the turn
 loop against the real embedded engine: tokens, loss mask and log-probs stay aligned across turns, observation
 tokens are never trained, and the engine's log-probs of model tokens are what a plain forward pass gives."""
 
@@ -14,7 +14,7 @@ import torch
 from slimecore.ops.logprobs import per_sample_response_log_probs
 from slimecore.rollout.client import RolloutClient
 from slimecore.testing import mask_runs
-from slimecore.tools import ToolCall, append_observation, parse_tag_call, run_tool, run_turns
+from slimecore.rollout.turns import ToolCall, append_observation, parse_tag_call, run_tool, run_turns
 from slimecore.types import Sample, Status
 
 
