@@ -65,6 +65,9 @@ CORE_OPTIONS: list[Option] = [
     _O("offload_rollout", bool, None, "Engines release weights and KV cache (/release_memory_occupation) while the "
        "trainer trains (default: on with --colocate).", group="cluster"),
     _O("train_backend", str, "fsdp", "Training backend.", choices=("fsdp", "megatron"), group="cluster"),
+    _O("engines", bool, True, "Start inference engines and the router to generate. --no-engines: train on what the "
+       "data source and the rollout hook give, with no generation and no weight sync (supervised fine-tuning runs "
+       "so; slime's --debug-train-only).", group="rollout"),
     _O("rollout_engine", str, "embedded", "Inference engine: embedded (CPU, HF transformers) or sglang (GPU).",
        choices=("embedded", "sglang"), group="cluster"),
     _O("num_cpus_per_actor", float, 0.5, "Ray CPUs reserved per train or engine actor.", group="cluster"),
@@ -258,8 +261,8 @@ CORE_OPTIONS: list[Option] = [
     _O("wandb_mode", str, None, "W&B mode (online/offline/disabled).", group="logging"),
     # -- debug
     _O("debug_rollout_only", bool, False, "Generate and score only; no training.", group="debug"),
-    _O("debug_train_only", bool, False, "Train only, with no inference engines: the data source and the rollout "
-       "hook still run, as supervised fine-tuning needs.", group="debug"),
+    _O("debug_train_only", bool, False, "slime's name for --no-engines (train with no inference engines).",
+       group="debug"),
     _O("save_debug_rollout_data", str, None, "Path template with {rollout_id} to dump rollouts.", group="debug"),
     _O("load_debug_rollout_data", str, None, "Path template with {rollout_id} to replay dumped rollouts.", group="debug"),
 ]
@@ -323,6 +326,17 @@ class Config:
             raise ConfigError(f"unknown core option(s) {sorted(unknown)}")
         values = {o.name: o.default for o in CORE_OPTIONS} | overrides
         return cls(values, plugin_values, plugins)
+
+    @property
+    def without_engines(self) -> bool:
+        """The run trains with no inference engines (``--no-engines``, slime's ``--debug-train-only``)."""
+        return not self.engines or self.debug_train_only
+
+    @property
+    def starts_engines(self) -> bool:
+        """The run starts engines and the router: not without engines, nor when it replays
+        ``--load-debug-rollout-data``."""
+        return not (self.without_engines or self.load_debug_rollout_data)
 
     def __repr__(self) -> str:
         return f"Config(plugins={self.plugins}, {self._values})"
@@ -684,7 +698,7 @@ def torch_threads(config: Config) -> int:
 def validate_core(config: Config) -> None:
     """Checks on core options; plugin checks run in ``slime_validate_config``."""
     c = config
-    if c.rollout_batch_size is None and not c.debug_train_only:
+    if c.rollout_batch_size is None and not c.without_engines:
         raise ConfigError("--rollout-batch-size is required (prompts per rollout step)")
     for name in ("rollout_batch_size", "n_samples_per_prompt", "global_batch_size", "micro_batch_size",
                  "actor_num_gpus_per_node", "rollout_num_gpus_per_engine", "num_steps_per_rollout",
@@ -726,14 +740,14 @@ def validate_core(config: Config) -> None:
     if c.fully_async:
         if c.colocate:
             raise ConfigError("--fully-async cannot be used with --colocate: generation never pauses for training")
-        if c.debug_rollout_only or c.debug_train_only or c.load_debug_rollout_data:
-            raise ConfigError("--fully-async needs live engines and a trainer; drop the --debug-* flags")
+        if c.debug_rollout_only or not c.starts_engines:
+            raise ConfigError("--fully-async needs live engines and a trainer; drop --no-engines and the --debug-* flags")
         c.train_async = True
     if c.train_async and c.colocate:
         raise ConfigError("--train-async cannot be used with --colocate: generation and training must run on "
                           "separate devices to overlap")
-    if c.debug_rollout_only and c.debug_train_only:
-        raise ConfigError("--debug-rollout-only and --debug-train-only are mutually exclusive")
+    if c.debug_rollout_only and c.without_engines:
+        raise ConfigError("--debug-rollout-only needs the engines; it excludes --no-engines (slime: --debug-train-only)")
     if c.load_debug_rollout_data and "{rollout_id}" not in c.load_debug_rollout_data:
         raise ConfigError("--load-debug-rollout-data must contain {rollout_id}, e.g. dumps/rollout_{rollout_id}.pt")
     if c.save_debug_rollout_data and "{rollout_id}" not in c.save_debug_rollout_data:

@@ -70,7 +70,7 @@ def slime_options() -> list[Option]:
 @spec(kind="all")
 def slime_implied_options() -> dict[str, Any]:
     """Core option values this plugin cannot run without, by option name: e.g. SFT returns
-    ``{"debug_train_only": True, "n_samples_per_prompt": 1}`` (no engines; each conversation once).
+    ``{"engines": False, "n_samples_per_prompt": 1}`` (no engines; each conversation once).
     Options the user left unset take these values, over a built-in task's quick-start values; a different
     value on the command line or in ``--config``, or two plugins implying different values, is a
     start-up error naming the flag and the plugins.

@@ -59,7 +59,7 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None,
     if num_rollout is None:
         per_epoch = ray_get(rollout.num_rollout_per_epoch.remote(), "the data source size", wait)
         num_rollout = per_epoch * (config.num_epoch or 1)
-    engines_live = not (config.debug_train_only or config.load_debug_rollout_data)
+    engines_live = config.starts_engines
 
     def sync_weights() -> float:
         """Push the trainer's weights to every engine; the engines then serve ``version``."""

@@ -127,7 +127,7 @@ def check_reward_type(config: Config, hooks: Hooks) -> None:
 
     if config.rm_type or not config.prompt_data or not _uses_default(hooks, "slime_reward"):
         return
-    if not _uses_default(hooks, "slime_data_source") or config.debug_train_only or config.load_debug_rollout_data:
+    if not _uses_default(hooks, "slime_data_source") or not config.starts_engines:
         return  # a plugin's data source may set rm_type itself
     key = config.metadata_key
     for where, row in read_rows(config.prompt_data):

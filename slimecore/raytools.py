@@ -75,7 +75,7 @@ def create_placement(config: Config, roles: list[str] = ("actor",)):
         return gpu_placement(config, roles)
     c = config
     n_train = 0 if c.debug_rollout_only else c.actor_num_nodes * c.actor_num_gpus_per_node
-    no_engines = c.debug_train_only or c.load_debug_rollout_data
+    no_engines = not c.starts_engines
     n_engines = 0 if no_engines else max(1, c.rollout_num_gpus // c.rollout_num_gpus_per_engine)
     train_bundle = {"CPU": c.num_cpus_per_actor, **(c.actor_resources or {})}
     engine_bundle = {"CPU": c.num_cpus_per_actor, **(c.rollout_resources or {})}
@@ -122,7 +122,7 @@ def gpu_placement(config: Config, roles: list[str] = ("actor",)):
     ``offset + i * --rollout-num-gpus-per-engine`` (offset: the actor's GPUs, 0 when colocated)."""
     c = config
     n_train = 0 if c.debug_rollout_only else c.actor_num_nodes * c.actor_num_gpus_per_node
-    no_engines = c.debug_train_only or c.load_debug_rollout_data
+    no_engines = not c.starts_engines
     n_rollout = 0 if no_engines else c.rollout_num_gpus
     size, offset = (max(n_train, n_rollout), 0) if c.colocate else (n_train + n_rollout, n_train)
     bundles = [{"GPU": 1, "CPU": c.num_cpus_per_actor * (len(roles) + 1)}] * size

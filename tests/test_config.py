@@ -130,3 +130,17 @@ def test_config_pickles_and_rejects_unknown_attributes():
         config.rollout_bach_size
     with pytest.raises(ConfigError, match="unknown core option"):
         Config.make(nope=1)
+
+
+def test_no_engines_mode_has_its_own_flag_and_slimes_debug_train_only_still_selects_it():
+    plain = parse_config(["--rollout-batch-size", "2"], [], {})
+    assert plain.engines and not plain.without_engines and plain.starts_engines
+    for argv in (["--no-engines"], ["--debug-train-only"]):
+        config = parse_config(argv, [], {})  # no --rollout-batch-size needed: the data source sets the batch
+        assert config.without_engines and not config.starts_engines
+    replay = parse_config(["--rollout-batch-size", "2", "--load-debug-rollout-data", "d/{rollout_id}.pt"], [], {})
+    assert not replay.without_engines and not replay.starts_engines
+    with pytest.raises(ConfigError, match="--debug-rollout-only needs the engines; it excludes --no-engines"):
+        parse_config(["--rollout-batch-size", "2", "--debug-rollout-only", "--no-engines"], [], {})
+    with pytest.raises(ConfigError, match="--fully-async needs live engines"):
+        parse_config(["--rollout-batch-size", "2", "--fully-async", "--debug-train-only"], [], {})

@@ -1,4 +1,5 @@
-"""Shared RL math on hand-computed cases (slime reference 4.2, 4.4, 4.8, 4.9)."""
+"""Shared RL math on hand-computed cases, against slime's formulas: ``compute_approx_kl``,
+``distributed_masked_whiten``, log-probs and entropy, ``sum_of_sample_mean``."""
 
 import math
 

@@ -105,7 +105,7 @@ def _number(p: dict, key: str, low: float, high: float, integer: bool = False, l
 
 
 def validate_sampling_params(params: Mapping) -> dict:
-    """SGLang's checks (reference section 1.3) over the defaults; an explicit null means the default,
+    """SGLang's checks of ``sampling_params`` (its ``SamplingParams.verify``) over the defaults; an explicit null means the default,
     except ``max_new_tokens: null``, which means "up to the context length"."""
     if not isinstance(params, Mapping):
         raise BadRequest("sampling_params must be an object")
@@ -761,7 +761,7 @@ class EmbeddedServer:
 
     # -- responses ---------------------------------------------------------------------------
     def response(self, req: Request) -> dict:
-        """The /generate response object (reference section 2.1)."""
+        """SGLang's non-streaming /generate response object for one request."""
         p, reason = req.params, req.finish_reason or {}
         ids, matched = req.output_ids, reason.get("matched")
         trim = reason.get("type") == "stop" and not p["no_stop_trim"]

@@ -1,4 +1,4 @@
-"""KL estimators (slime reference 4.2), computed in fp32 on ``delta = log_probs - base_log_probs``:
+"""KL estimators (slime's ``compute_approx_kl``), computed in fp32 on ``delta = log_probs - base_log_probs``:
 
 | kind         | per-token value                     |
 |--------------|-------------------------------------|

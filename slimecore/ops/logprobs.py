@@ -1,4 +1,4 @@
-"""Token log-probs and entropy from logits (slime reference 4.8).
+"""Token log-probs and entropy from logits (slime's ``get_log_probs_and_entropy``).
 
 Logits are divided by the rollout temperature, so the trainer scores tokens under the same distribution
 the engine sampled from. All math is fp32 whatever the logits' dtype. ``chunk_size`` processes that

@@ -1,9 +1,9 @@
-"""Masked statistics and whitening (slime reference 4.4), local or over a torch.distributed group.
+"""Masked statistics and whitening (slime's ``distributed_masked_whiten``), local or over a torch.distributed group.
 
 ``masked_whiten`` computes slime's ``distributed_masked_whiten``:
 ``mean = sum(a m) / N``, ``var = sum((a - mean)^2 m) / (N - 1)`` (Bessel), ``(a - mean) * rsqrt(var + eps)``,
 with ``N = sum(m)``, and the mean added back when ``shift_mean`` is False. Two deliberate departures where
-slime's code is a hazard (DESIGN.md section 8), both identical to slime on ordinary inputs:
+slime's code is a hazard, on purpose, both identical to slime on ordinary inputs:
 - the variance is computed in two passes (the mean first, then squared deviations) instead of
   ``E[a^2] - mean^2``, so constant inputs give exactly 0 variance rather than a tiny negative number and NaN;
 - with fewer than 2 unmasked tokens the values are only centred, not scaled: slime leaves the variance at

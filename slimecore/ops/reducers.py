@@ -1,4 +1,5 @@
-"""Loss reducers that aggregate exactly under any micro-batching and DP split (slime reference 4.9).
+"""Loss reducers that aggregate exactly under any micro-batching and DP split (slime's ``sum_of_sample_mean``
+and its per-token loss).
 
 A reducer maps one micro-batch's per-sample token tensors ``x_i`` (each ``(response_length,)``) to that
 micro-batch's *share* of the optimizer step's objective. Shares add up, over the step's micro-batches and

@@ -44,7 +44,7 @@ class RolloutManager:
         self._states: dict[int, dict] = {}  # data-source state after each generated step (for checkpoints)
         self._eval_sources: dict[str, object] = {}
         self._retries_logged = 0
-        if not (config.debug_train_only or config.load_debug_rollout_data):
+        if config.starts_engines:
             self._start_engines(placement_group, engine_bundles)
 
     # -- engines ---------------------------------------------------------------------------

@@ -10,7 +10,6 @@ megatron-core 0.16.1's MoE code (commented below). The mode is process-wide once
 runs in processes of its own (``megatron_checks.py`` through ``run_ranks``; ``cpu_plugin.py`` in train actors;
 ``shim_cli.py`` for the convert command).
 
-Measured and described in ``shared/reference/cpu-feasibility.md``.
 """
 
 from __future__ import annotations

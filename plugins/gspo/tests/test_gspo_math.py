@@ -1,4 +1,4 @@
-"""GSPO on hand-computed cases, through its own hooks (slime reference 4.5 step 2)."""
+"""GSPO on hand-computed cases, through its own hooks (slime's sequence-level ``ppo_kl``)."""
 
 import math
 

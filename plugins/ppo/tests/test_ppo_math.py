@@ -1,4 +1,5 @@
-"""PPO-family estimators on hand-computed cases (slime reference 4.3, 4.6)."""
+"""PPO-family estimators on hand-computed cases (slime's ``compute_advantages_and_returns`` and
+``value_loss_function``)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Search-R1 for slime-core: multi-turn search-tool RL (slime's ``examples/search-r1``, reference 5.5).
+"""Search-R1 for slime-core: multi-turn search-tool RL (slime's ``examples/search-r1``).
 
 Hooks:
 - ``slime_generate``: up to ``--max-turns`` model turns (default 2, as slime's example), each stopped at

@@ -1,7 +1,7 @@
 """Supervised fine-tuning through the slime-core loop: ``slime-core train --plugin sft``.
 
 Variant implemented: slime's SFT (``--rollout-function-path slime.rollout.sft_rollout.generate_rollout
---loss-type sft_loss --disable-compute-advantages-and-returns --debug-train-only``; reference/slime.md 4.7, 6.6).
+--loss-type sft_loss --disable-compute-advantages-and-returns --debug-train-only``).
 - Data: each step draws ``--rollout-batch-size`` conversations (``slime_sft.data``), tokenised and masked to
   their assistant turns by ``slime_sft.masks``; no generation, reward 0.
 - Loss: the negative log-likelihood of the trained tokens, ``-log p(y_t | y_<t)`` at temperature 1, reduced
@@ -10,7 +10,7 @@ Variant implemented: slime's SFT (``--rollout-function-path slime.rollout.sft_ro
   ``--calculate-per-token-loss`` the token mean over the step, ``sum -logp m / N``. Either is independent of
   the micro-batch and data-parallel split.
 - No old-policy, reference or value passes; advantages and returns are zeros (slime computes none).
-- No inference engines and no weight sync: the plugin implies ``--debug-train-only`` and
+- No inference engines and no weight sync: the plugin implies ``--no-engines`` (slime: ``--debug-train-only``) and
   ``--n-samples-per-prompt 1`` (``slime_implied_options``); a contrary flag is a start-up error.
 
 Where it departs from slime:
@@ -55,7 +55,7 @@ def slime_options():
 
 @hookimpl
 def slime_implied_options():
-    return {"debug_train_only": True, "n_samples_per_prompt": 1}
+    return {"engines": False, "n_samples_per_prompt": 1}
 
 
 @hookimpl

@@ -24,18 +24,18 @@ def _parse(*argv: str, plugins=("sft",)) -> Config:
 
 def test_sft_runs_without_engines_and_with_one_copy_of_each_conversation():
     config = _parse("--task", "compare")
-    assert config.debug_train_only and config.n_samples_per_prompt == 1
+    assert config.without_engines and not config.engines and config.n_samples_per_prompt == 1
     # the task's quick-start batch stays, its 8 samples per prompt do not: one optimizer step takes 8 conversations
     assert config.rollout_batch_size == 8 and config.global_batch_size == 8
     assert "n_samples_per_prompt" not in config.recommended_applied and config.recommended_applied["lr"] == 1e-5
-    assert _parse("--debug-train-only", "--n-samples-per-prompt", "1").debug_train_only  # the same values, said again
+    assert _parse("--no-engines", "--n-samples-per-prompt", "1").without_engines  # the same values, said again
+    assert _parse("--debug-train-only").without_engines  # slime's flag for the same mode
 
 
 @pytest.mark.parametrize("argv,expected", [
     (["--n-samples-per-prompt", "4"], "plugin 'sft' runs only with --n-samples-per-prompt 1, but the command line or "
                                       "--config gives --n-samples-per-prompt 4"),
-    (["--no-debug-train-only"], "plugin 'sft' runs only with --debug-train-only, but the command line or --config "
-                                "gives --no-debug-train-only"),
+    (["--engines"], "plugin 'sft' runs only with --no-engines, but the command line or --config gives --engines"),
     (["--rollout-temperature", "0.7"], "--rollout-temperature 0.7 with --plugin sft"),
     (["--eval-prompt-data", "cmp", "task:compare"], "--eval-prompt-data has no effect with --plugin sft"),
     (["--over-sampling-batch-size", "16"], "--over-sampling-batch-size has no effect"),
@@ -65,16 +65,16 @@ def test_implied_options_of_two_plugins_must_agree_and_name_core_options():
                                           "implies --n-samples-per-prompt 1"):
         apply_implied_options(config, {"sft": {"n_samples_per_prompt": 1}, "other": {"n_samples_per_prompt": 4}},
                               set())
-    with pytest.raises(ConfigError, match=r"plugin 'sft': slime_implied_options names 'debug_train_onl', which is not "
-                                          r"a core option \(did you mean 'debug_train_only'\?\)"):
-        apply_implied_options(config, {"sft": {"debug_train_onl": True}}, set())
+    with pytest.raises(ConfigError, match=r"plugin 'sft': slime_implied_options names 'engine', which is not "
+                                          r"a core option \(did you mean 'engines'\?\)"):
+        apply_implied_options(config, {"sft": {"engine": False}}, set())
 
 
 def test_an_implied_options_answer_that_is_not_a_dict_is_an_error_naming_the_plugin():
     class ListAnswer:
         @hookimpl
         def slime_implied_options(self):
-            return ["debug_train_only"]
+            return ["engines"]
 
     hooks = load_plugins([], extra=[ListAnswer()], defaults=False)
     with pytest.raises(PluginError, match="plugin 'ListAnswer': slime_implied_options must return a dict"):

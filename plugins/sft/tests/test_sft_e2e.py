@@ -20,7 +20,7 @@ def test_slime_core_train_plugin_sft_lowers_the_loss_on_a_built_in_task(tiny_hf_
                            "--lr", "1e-3", "--log-dir", str(log_dir), "--no-use-tensorboard"],
                           capture_output=True, text=True, timeout=scaled(300), env=env)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-    assert "plugin 'sft' runs with --debug-train-only --n-samples-per-prompt 1" in proc.stderr
+    assert "plugin 'sft' runs with --no-engines --n-samples-per-prompt 1" in proc.stderr
     steps = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
     assert [m["rollout/step"] for m in steps] == list(range(6))  # 6 steps of the task's 8 conversations: one epoch
     losses = [m["train/loss"] for m in steps]

@@ -50,7 +50,7 @@ def test_sft_loss_by_hand():
 
 def _config(checkpoint, prompt_data: str, **kw) -> Config:
     return Config.make(plugins=["sft"], plugin_values={"sft": {"sft_max_len": None}}, hf_checkpoint=str(checkpoint),
-                       prompt_data=prompt_data, input_key="messages", lr=1e-3, debug_train_only=True,
+                       prompt_data=prompt_data, input_key="messages", lr=1e-3, engines=False,
                        rollout_batch_size=len(CONVERSATIONS), global_batch_size=len(CONVERSATIONS), **kw)
 
 
