@@ -61,3 +61,13 @@ def test_dict_round_trip_and_reset():
     assert back == s
     back.reset_response()
     assert back.tokens == [1, 2] and back.response_length == 0 and back.status is Status.PENDING
+
+
+def test_slime_fields_of_features_slime_core_lacks_still_take_what_slime_code_does_with_them():
+    # slime's search-r1 and retool generate functions clear the top-p replay fields; slime's generate reads the
+    # multimodal ones; a dump written with slime's fields loads with them as attributes
+    sample = Sample(prompt="q", tokens=[1, 2])
+    sample.rollout_top_p_token_ids = sample.rollout_top_p_token_offsets = None
+    assert sample.multimodal_inputs is None and sample.multimodal_train_inputs is None
+    loaded = Sample.from_dict({**sample.to_dict(), "teacher_log_probs": [-0.5], "train_metadata": {"a": 1}})
+    assert loaded.teacher_log_probs == [-0.5] and loaded.train_metadata == {"a": 1} and loaded.tokens == [1, 2]
