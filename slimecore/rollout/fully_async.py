@@ -58,7 +58,7 @@ class BackgroundRollout:
 
     async def _produce(self) -> None:
         runner = GroupRunner(self.config, self.client, self.hooks, self.rollout_id, False,
-                              asyncio.Semaphore(concurrency(self.config)))
+                             asyncio.Semaphore(concurrency(self.config)))
         tasks: dict[asyncio.Task, list[Sample]] = {}
         while not self._stop.is_set():
             while len(self.held) < self.capacity:

@@ -46,6 +46,7 @@ def sampling_params(config, evaluation: bool = False) -> dict:
 
 
 def concurrency(config) -> int:
+    """Generate requests in flight over all engines: ``--sglang-server-concurrency`` per engine."""
     return config.sglang_server_concurrency * max(1, config.rollout_num_gpus // config.rollout_num_gpus_per_engine)
 
 

@@ -23,12 +23,12 @@ class GenerateState:
 
     def _setup(self, args) -> None:
         from slimecore.hf_checkpoint import load_tokenizer
+        from slimecore.rollout.groups import concurrency
 
         self.args = args
         self.tokenizer = load_tokenizer(args.hf_checkpoint)
         self.processor = None
-        engines = max(1, args.rollout_num_gpus // args.rollout_num_gpus_per_engine)
-        self.semaphore = asyncio.Semaphore(args.sglang_server_concurrency * engines)
+        self.semaphore = asyncio.Semaphore(concurrency(args))
         self.sampling_params: dict[str, Any] = dict(
             temperature=args.rollout_temperature, top_p=args.rollout_top_p, top_k=args.rollout_top_k,
             max_new_tokens=args.rollout_max_response_len, stop=args.rollout_stop,
