@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import logging
 import math
 import queue
@@ -27,7 +26,6 @@ import threading
 import time
 
 from slimecore import hookimpl
-from slimecore.defaults.reward import combined_reward
 from slimecore.plugins import HookCallError, PluginError
 from slimecore.types import FilterResult, RolloutOutput, Sample, Status
 
@@ -60,7 +58,7 @@ DEFAULT_MAX_TURNS = 4
 
 
 @hookimpl
-async def slime_generate(config, sample: Sample, sampling_params: dict, client, hooks):
+async def slime_generate(config, sample: Sample, sampling_params: dict, client, observation, agent):
     """Single turn, token in / token out; continues a partial sample with the remaining budget.
 
     Multi-turn when a plugin implements ``slime_observation``: up to ``--max-turns`` model turns (default 4)
@@ -71,19 +69,18 @@ async def slime_generate(config, sample: Sample, sampling_params: dict, client, 
 
     With a ``slime_agent`` plugin active, each sample is one agent episode in a session
     (``slimecore.agents.episode.run_episode``), which may return several samples sharing one ``rollout_id``."""
-    if hooks.implementers("slime_agent"):
+    if agent is not None:
         from slimecore.agents.episode import run_episode
 
-        return await run_episode(config, sample, client, hooks, sampling_params)
-    if hooks.implementers("slime_observation"):
+        return await run_episode(config, sample, client, agent, sampling_params)
+    if observation is not None:
         from slimecore.tools import run_turns
 
         if sample.response_length:
             sample.reset_response()
 
         async def on_turn(text: str, turn: int):
-            answer = hooks.observation(config=config, sample=sample, text=text, turn=turn)
-            return await answer if inspect.isawaitable(answer) else answer
+            return await observation(config=config, sample=sample, text=text, turn=turn)
 
         budget = config.rollout_max_context_len - sample.prompt_length if config.rollout_max_context_len else None
         return await run_turns(sample, client, sampling_params, on_turn, max_turns=config.max_turns or
@@ -111,8 +108,8 @@ def slime_post_process_rewards(config, samples: list[Sample]):
 class _GroupRunner:
     """Runs generate -> sample hooks -> reward for one prompt group, with the global concurrency cap."""
 
-    def __init__(self, config, client, hooks, rollout_id: int, evaluation: bool, semaphore: asyncio.Semaphore):
-        self.config, self.client, self.hooks = config, client, hooks
+    def __init__(self, config, client, sample_hooks, rollout_id: int, evaluation: bool, semaphore: asyncio.Semaphore):
+        self.config, self.client, self.sample_hooks = config, client, sample_hooks
         self.rollout_id, self.evaluation, self.semaphore = rollout_id, evaluation, semaphore
         self.params = sampling_params(config, evaluation)
         self.reward_failures = 0
@@ -122,15 +119,13 @@ class _GroupRunner:
         results = await asyncio.gather(*(self._generate(s) for s in group))
         samples = [s for r in results for s in (r if isinstance(r, list) else [r])]
         for sample in samples:
-            for answer in self.hooks.process_sample(config=self.config, sample=sample, rollout_id=self.rollout_id,
-                                                    evaluation=self.evaluation):
-                if inspect.isawaitable(answer):  # an async implementation (slime's sample hooks may be async)
-                    await answer
+            await self.sample_hooks.process_sample(config=self.config, sample=sample, rollout_id=self.rollout_id,
+                                            evaluation=self.evaluation)
         if any(s.status == Status.ABORTED for s in samples):
             return samples  # goes back to the buffer; scored when it completes
-        if self._group_rm():
+        if self.sample_hooks.scores_groups(self.config, self.evaluation):
             try:
-                rewards = await self._bounded_reward("slime_group_reward", self.hooks.group_reward(
+                rewards = await self._bounded_reward("slime_group_reward", self.sample_hooks.group_reward(
                     config=self.config, samples=samples))
             except HookCallError as exc:  # the whole group is unscored: mark each sample, as for slime_reward
                 for sample in samples:
@@ -143,25 +138,17 @@ class _GroupRunner:
             await asyncio.gather(*(self._reward(s) for s in samples if s.reward is None))
         return samples
 
-    def _group_rm(self) -> bool:
-        """``--group-rm`` scores whole groups, except where a plugin's own per-sample reward would be bypassed
-        by the built-in group scorer, which only knows the built-in reward types."""
-        if not self.config.group_rm or self.evaluation:
-            return False
-        group, single = self.hooks.answerer("slime_group_reward"), self.hooks.answerer("slime_reward")
-        return not (self.hooks.is_default(group) and not self.hooks.is_default(single))
-
     async def _generate(self, sample: Sample):
         if sample.status in (Status.COMPLETED, Status.TRUNCATED):
             return sample  # finished before its group was aborted; resumed groups only continue the rest
         async with self.semaphore:
             start = time.perf_counter()
-            call = self.hooks.generate(config=self.config, sample=sample, sampling_params=self.params,
-                                       client=self.client, evaluation=self.evaluation, hooks=self.hooks)
+            call = self.sample_hooks.generate(config=self.config, sample=sample, sampling_params=self.params,
+                                       client=self.client, evaluation=self.evaluation)
             try:
                 out = await asyncio.wait_for(call, self.config.generate_timeout)
             except asyncio.TimeoutError:
-                plugin = self.hooks.plugin_name(self.hooks.answerer("slime_generate"))
+                plugin = self.sample_hooks.answering("slime_generate")
                 raise PluginError(f"plugin {plugin!r}: slime_generate did not return within --generate-timeout "
                                   f"{self.config.generate_timeout:g}s for sample {sample.index}; fix the hook (is "
                                   "it waiting on something that never answers?) or raise the timeout") from None
@@ -172,7 +159,8 @@ class _GroupRunner:
     async def _reward(self, sample: Sample) -> None:
         start = time.perf_counter()
         try:
-            reward = await self._bounded_reward("slime_reward", combined_reward(self.hooks, self.config, sample))
+            reward = await self._bounded_reward("slime_reward",
+                                                self.sample_hooks.reward(config=self.config, sample=sample))
         except HookCallError as exc:
             self._fail(sample, str(exc), exc.cause_traceback)
             return
@@ -192,7 +180,7 @@ class _GroupRunner:
         try:
             return await asyncio.wait_for(call, self.config.reward_timeout)
         except asyncio.TimeoutError:
-            plugin = self.hooks.plugin_name(self.hooks.answerer(hook))
+            plugin = self.sample_hooks.answering(hook)
             raise HookCallError(plugin, hook, TimeoutError(
                 f"no answer within --reward-timeout {self.config.reward_timeout:g}s")) from None
 
@@ -220,15 +208,6 @@ def slime_filter_group(config, samples: list[Sample]):
                         keep_when_insufficient=config.dynamic_sampling_filter == "nonzero_std_with_fallback")
 
 
-def _filter(hooks, config, group: list[Sample]) -> tuple[FilterResult, str | None]:
-    """The first rejecting verdict of the group filters, with the plugin that gave it (None: all keep)."""
-    for plugin, answer in hooks.answers("slime_filter_group", config=config, samples=group):
-        result = answer if isinstance(answer, FilterResult) else FilterResult(bool(answer))
-        if not result.keep:
-            return result, plugin
-    return FilterResult(True), None
-
-
 class FilterStarvedError(RuntimeError):
     """Group filters dropped groups for ``--max-filter-rounds`` over-sampling rounds without filling a step."""
 
@@ -246,10 +225,10 @@ def _concurrency(config) -> int:
 
 
 @hookimpl
-async def slime_rollout(config, rollout_id: int, data_source, client, hooks, evaluation: bool):
+async def slime_rollout(config, rollout_id: int, data_source, client, sample_hooks, evaluation: bool):
     if config.fully_async and not evaluation:
-        return await _fully_async_step(config, rollout_id, data_source, client, hooks)
-    runner = _GroupRunner(config, client, hooks, rollout_id, evaluation, asyncio.Semaphore(_concurrency(config)))
+        return await _fully_async_step(config, rollout_id, data_source, client, sample_hooks)
+    runner = _GroupRunner(config, client, sample_hooks, rollout_id, evaluation, asyncio.Semaphore(_concurrency(config)))
     if evaluation:
         groups = await asyncio.gather(*(runner.run(g) for g in data_source.get_samples(len(data_source))))
         return RolloutOutput(list(groups), {"rollout/reward_failures": runner.reward_failures})
@@ -285,7 +264,7 @@ async def slime_rollout(config, rollout_id: int, data_source, client, hooks, eva
                 _recycle(config, data_source, group, rollout_id)
                 submitted_alive -= 1
                 continue
-            verdict, plugin = _filter(hooks, config, group)
+            verdict, plugin = sample_hooks.filter_group(config=config, samples=group)
             if verdict.keep or (verdict.keep_when_insufficient and submitted_alive <= target):
                 accepted.append(group)
             else:
@@ -343,8 +322,8 @@ class BackgroundRollout:
     every group still held here put back into the buffer (responses cleared), so a checkpoint loses none.
     """
 
-    def __init__(self, config, data_source, client, hooks):
-        self.config, self.data_source, self.client, self.hooks = config, data_source, client, hooks
+    def __init__(self, config, data_source, client, sample_hooks):
+        self.config, self.data_source, self.client, self.sample_hooks = config, data_source, client, sample_hooks
         self.capacity = config.fully_async_groups or config.rollout_batch_size
         self.lock = threading.Lock()
         self.finished: queue.Queue = queue.Queue()
@@ -371,7 +350,7 @@ class BackgroundRollout:
             loop.close()
 
     async def _produce(self) -> None:
-        runner = _GroupRunner(self.config, self.client, self.hooks, self.rollout_id, False,
+        runner = _GroupRunner(self.config, self.client, self.sample_hooks, self.rollout_id, False,
                               asyncio.Semaphore(_concurrency(self.config)))
         tasks: dict[asyncio.Task, list[Sample]] = {}
         while not self._stop.is_set():
@@ -391,7 +370,7 @@ class BackgroundRollout:
                 if any(s.status == Status.ABORTED for s in group):
                     self.give_back(group, keep_partial=self.config.partial_rollout)
                     continue
-                verdict, _ = _filter(self.hooks, self.config, group)
+                verdict, _ = self.sample_hooks.filter_group(config=self.config, samples=group)
                 if verdict.keep:
                     self.finished.put(group)
                 else:
@@ -447,13 +426,13 @@ class BackgroundRollout:
 _WORKERS: dict[int, BackgroundRollout] = {}
 
 
-async def _fully_async_step(config, rollout_id: int, data_source, client, hooks) -> RolloutOutput:
+async def _fully_async_step(config, rollout_id: int, data_source, client, sample_hooks) -> RolloutOutput:
     """One step from the background worker: the first ``--rollout-batch-size`` finished groups whose
     samples the trainer will see at most ``--max-staleness`` versions old; older groups go back to the
     buffer and are generated again (``rollout/stale_groups_regenerated``)."""
     worker = _WORKERS.get(id(data_source))
     if worker is None:
-        worker = _WORKERS[id(data_source)] = BackgroundRollout(config, data_source, client, hooks)
+        worker = _WORKERS[id(data_source)] = BackgroundRollout(config, data_source, client, sample_hooks)
     worker.rollout_id = rollout_id
     # the async loop trains this step after one more update than the engines serve now
     train_version = client.policy_version + 1

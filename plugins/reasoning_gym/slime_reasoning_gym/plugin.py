@@ -22,7 +22,6 @@ from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
 from slimecore import hookimpl
 from slimecore.config import ConfigError, Option, json_value
-from slimecore.data.source import pop_first
 from slimecore.defaults import reward as default_reward
 
 from slime_reasoning_gym.difficulty import DifficultyController, Thresholds
@@ -108,7 +107,7 @@ def slime_validate_config(config):
 
 
 @hookimpl
-def slime_data_source(config, tokenizer, hooks):
+def slime_data_source(config, tokenizer, buffer_filter):
     opts = config.plugin(NAME)
     tasks = build_tasks(opts)
     controller = DifficultyController({t.name: t.top_level for t in tasks}, opts.rg_start_level, thresholds(opts),
@@ -121,10 +120,6 @@ def slime_data_source(config, tokenizer, hooks):
         else:
             text = "\n\n".join(m["content"] for m in messages) + "\n"
         return text, tokenizer(text, add_special_tokens=False).input_ids
-
-    def buffer_filter(buffer, num_groups):
-        chosen = hooks.buffer_filter(config=config, buffer=buffer, num_groups=num_groups)
-        return pop_first(buffer, num_groups) if chosen is None else chosen
 
     system = None if opts.rg_system_prompt == NO_SYSTEM_PROMPT else SYSTEM_PROMPTS[opts.rg_system_prompt]
     source = ReasoningGymSource(tasks, controller, render, n_samples_per_prompt=config.n_samples_per_prompt,

@@ -32,7 +32,7 @@ from pathlib import Path
 from slimecore import hookimpl
 from slimecore.config import ConfigError, Option
 from slimecore.data.dataset import read_rows
-from slimecore.data.source import PromptDataSource, pop_first, prompts_from_rows
+from slimecore.data.source import PromptDataSource, prompts_from_rows
 from slimecore.defaults import data as default_data
 from slimecore.tools import parse_tag_call, run_tool, run_turns
 
@@ -115,10 +115,10 @@ def slime_datasets():
 
 
 @hookimpl
-def slime_data_source(config, tokenizer, hooks):
+def slime_data_source(config, tokenizer, buffer_filter):
     """``--prompt-data`` as the built-in reads it; without it, the shipped QA set (``--task`` is not used)."""
     if config.prompt_data is not None:
-        source = default_data.slime_data_source(config, tokenizer, hooks)
+        source = default_data.slime_data_source(config, tokenizer, buffer_filter)
         where = config.prompt_data
     else:
         rows = read_rows(str(QA_PATH))
@@ -127,10 +127,6 @@ def slime_data_source(config, tokenizer, hooks):
                     for where, row in rows]
         records, filtered = prompts_from_rows(config, tokenizer, rows, str(QA_PATH), input_key="input",
                                               label_key="label", apply_chat_template=config.apply_chat_template)
-
-        def buffer_filter(buffer, num_groups):
-            chosen = hooks.buffer_filter(config=config, buffer=buffer, num_groups=num_groups)
-            return pop_first(buffer, num_groups) if chosen is None else chosen
 
         source = PromptDataSource(records, config.n_samples_per_prompt, shuffle=config.rollout_shuffle,
                                   seed=config.rollout_seed, buffer_filter=buffer_filter, num_filtered=filtered)
