@@ -95,8 +95,8 @@ def measure(args: argparse.Namespace, train_argv: list[str]) -> dict:
     argv = ["--hf-checkpoint", str(args.hf_checkpoint), "--train-backend", args.backend, "--prompt-data", "synthetic",
             "--rollout-batch-size", str(args.samples // args.group), "--n-samples-per-prompt", str(args.group),
             "--global-batch-size", str(args.samples), "--actor-num-gpus-per-node", str(world), *train_argv]
-    config = parse_config(argv, plugins, hooks.declared_options(), hooks.implied_options())
-    hooks.validate_config(config=config)
+    config = parse_config(argv, plugins, hooks.slime_options(), hooks.slime_implied_options())
+    hooks.slime_validate_config(config=config)
     if args.backend == "megatron":
         from slimecore.trainers.megatron import MegatronTrainer, data_parallel_rank
 

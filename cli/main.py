@@ -47,13 +47,13 @@ def train(ctx):
         specs = [normalize_spec(s) for s in specs]
         argv = _normalized_plugin_args(argv)
         hooks = load_plugins(specs)
-        declared = hooks.declared_options()
+        declared = hooks.slime_options()
         if "--help" in argv or "-h" in argv:
             click.echo(build_parser(collect_plugin_options(declared)).format_help())
             return
-        implied = hooks.implied_options()
-        config = parse_config(argv, specs, declared, implied, hooks.quickstart_options())
-        hooks.bind(config).validate_config(config=config)
+        implied = hooks.slime_implied_options()
+        config = parse_config(argv, specs, declared, implied, hooks.slime_quickstart_options())
+        hooks.bind(config).slime_validate_config(config=config)
         hooks.check(skip_required=_not_needed(config))
         check_reward_sources(hooks, config)
         from slimecore.hf_checkpoint import resolve_checkpoint
@@ -86,7 +86,7 @@ def train(ctx):
     if config.train_iters is None and config.num_rollout:
         config.train_iters = config.num_rollout * config.rollout_batch_size * config.n_samples_per_prompt \
             // config.global_batch_size
-    hooks.startup(config=config, process="driver")
+    hooks.slime_startup(config=config, process="driver")
     from slimecore.display import RunDisplay
     from slimecore.loop import run
     from slimecore.runs import create_run_dir
@@ -224,7 +224,7 @@ def _plugin_datasets() -> dict[str, tuple[str, str]]:
     found: dict[str, tuple[str, str]] = {}
     for name in sorted(installed_entry_points()):
         try:
-            answers = load_plugins([name], defaults=False).datasets()
+            answers = load_plugins([name], defaults=False).slime_datasets()
         except PluginError as exc:
             console.print(f"[yellow]warning:[/] plugin {name!r} could not be loaded, so its data sets are not "
                           f"listed: {exc}")

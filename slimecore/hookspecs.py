@@ -4,12 +4,17 @@ A plugin implements a hook by defining a function of the same name decorated wit
 ``slimecore.hookimpl``; it may accept any subset of the parameters listed. Hooks are called with
 keyword arguments only, so a spec can gain parameters without breaking old plugins.
 
-Kinds:
+Kinds (pluggy's own semantics decide: the core calls ``hooks.slime_xxx(...)`` on the ``slimecore.plugins.Hooks``
+facade, which calls ``pm.hook.slime_xxx``):
 - *all*: every active plugin's implementation is called; results are collected in a list.
-- *one answer*: exactly one active plugin answers. A non-default plugin replaces the built-in default;
-  two non-default plugins answering is a start-up error. *Required* ones must have an answer.
-- *first answer*: implementations are tried in turn and the first non-None result wins
-  (several plugins may coexist, each answering for the inputs it knows).
+- *one answer*: pluggy ``firstresult``; one active plugin answers. Built-in defaults are called last
+  (``trylast``), so a non-default plugin's answer replaces the default's; two non-default plugins implementing
+  it is a start-up error. The answer must not be None: an implementation returning None passes the call on to
+  the next (the default), and None from every one, or from an awaited async answer, is an error.
+- *first answer*: pluggy ``firstresult``; implementations are tried in turn and the first non-None result
+  wins (several plugins may coexist, each answering for the inputs it knows).
+A plugin may also wrap a hook (``@hookimpl(wrapper=True)``, a generator that yields to get the inner answer,
+an awaitable for async hooks) and order itself with ``tryfirst`` / ``trylast``, as in any pluggy project.
 
 Where each hook runs: **driver** (the ``slime-core`` process), **rollout** (the RolloutManager Ray
 actor), **train** (every training Ray actor, once per data-parallel rank).
@@ -28,22 +33,29 @@ if TYPE_CHECKING:  # heavy or circular imports only for type checkers
 
     from slimecore.agents.session import AgentSession
     from slimecore.config import Config, Option
+    from slimecore.data.source import BufferFilter
+    from slimecore.ops.reducers import Reducer
     from slimecore.rollout.client import RolloutClient
-    from slimecore.types import DataSource, FilterResult, RolloutOutput, Sample
+    from slimecore.rollout.hook_args import AgentHook, ObservationHook, SampleHooks
+    from slimecore.types import Advantages, DataSource, FilterResult, ModelOutputs, RolloutOutput, Sample, TrainBatch
 
 PROJECT = "slimecore"
 hookspec = pluggy.HookspecMarker(PROJECT)
 
 
-def spec(*, kind: str, required: bool = False, is_async: bool = False, combined: bool = False):
+def spec(*, kind: str, required: bool = False, is_async: bool = False, combined: bool = False,
+         single: bool | None = None):
     """Declare a hook. ``kind`` is ``all``, ``one`` (one answer) or ``first`` (first answer). ``combined``: a
-    one-answer hook several plugins may answer, the core combining their answers."""
+    one-answer hook several plugins may answer, the core combining their answers. ``single``: at most one
+    non-default plugin may implement it (checked at start-up); by default true for one-answer hooks that are
+    not combined."""
     assert kind in ("all", "one", "first") and (kind == "one" or not combined)
 
     def decorate(func):
         func = hookspec(firstresult=kind != "all")(func)
         func.slime_kind, func.slime_required, func.slime_async = kind, required, is_async
         func.slime_combined = combined
+        func.slime_single = (kind == "one" and not combined) if single is None else single
         return func
 
     return decorate
@@ -128,11 +140,12 @@ def slime_shutdown(config: Config, process: str) -> None:
 
 
 @spec(kind="one", required=True)
-def slime_data_source(config: Config, tokenizer: Any, hooks: Any) -> DataSource:
+def slime_data_source(config: Config, tokenizer: Any, buffer_filter: BufferFilter) -> DataSource:
     """Build the prompt source: ``get_samples`` / ``add_samples`` / ``state_dict`` / ``load_state_dict``
     / ``len`` (``slimecore.types.DataSource``). The built-in reads ``--prompt-data`` (jsonl/parquet)
-    or a built-in task, and asks ``slime_buffer_filter`` (through ``hooks``) which buffered groups to
-    resume. slime: ``--data-source-path``.
+    or a built-in task. ``buffer_filter(buffer, num_groups)`` is the run's ``slime_buffer_filter`` (the oldest
+    ``num_groups`` groups when no plugin chooses): a source with a buffer of aborted groups calls it to pick the
+    groups to resume. slime: ``--data-source-path``.
 
     Called in: rollout, once.
     """
@@ -163,11 +176,13 @@ def slime_datasets() -> dict[str, str]:
 
 @spec(kind="one", required=True, is_async=True)
 async def slime_rollout(
-    config: Config, rollout_id: int, data_source: DataSource, client: RolloutClient, hooks: Any, evaluation: bool
+    config: Config, rollout_id: int, data_source: DataSource, client: RolloutClient, sample_hooks: SampleHooks,
+    evaluation: bool
 ) -> RolloutOutput:
     """Produce one step's prompt groups (``RolloutOutput``). The built-in draws groups from the data
-    source, calls ``slime_generate`` / ``slime_reward`` / ``slime_filter_group`` per group through
-    ``hooks`` (the ``slimecore.plugins.Hooks`` facade), over-samples and aborts, and handles partial
+    source, runs each sample and group through ``sample_hooks`` (``slimecore.rollout.hook_args.SampleHooks``:
+    ``generate``, ``process_sample``, ``reward`` or ``group_reward``, ``filter_group``, i.e. ``slime_generate``
+    ... ``slime_filter_group`` bound to the run's plugins), over-samples and aborts, and handles partial
     rollout. With ``evaluation=True`` it runs every prompt of ``data_source`` once.
     slime: ``--rollout-function-path`` / ``--eval-function-path``.
 
@@ -177,11 +192,15 @@ async def slime_rollout(
 
 @spec(kind="one", required=True, is_async=True)
 async def slime_generate(
-    config: Config, sample: Sample, sampling_params: dict, client: RolloutClient, evaluation: bool, hooks: Any
+    config: Config, sample: Sample, sampling_params: dict, client: RolloutClient, evaluation: bool,
+    observation: ObservationHook | None, agent: AgentHook | None
 ) -> Sample | list[Sample]:
     """Generate the response for one sample through ``client`` (never a hand-built URL). May run many
     turns (use ``Sample.append_response_tokens``) and may fan out into several samples sharing
-    ``rollout_id``. slime: ``--custom-generate-function-path``.
+    ``rollout_id``. ``observation`` and ``agent`` are the run's ``slime_observation`` and ``slime_agent`` hooks
+    (async, called with those hooks' keyword arguments), or None when no active plugin implements them: the
+    built-in runs turns with the first and agent episodes with the second. slime:
+    ``--custom-generate-function-path``.
 
     Called in: rollout, once per sample, concurrently.
     """
@@ -199,7 +218,7 @@ def slime_observation(config: Config, sample: Sample, text: str, turn: int) -> s
     """
 
 
-@spec(kind="first", is_async=True)
+@spec(kind="first", is_async=True, single=True)
 async def slime_agent(config: Config, sample: Sample, session: AgentSession) -> float | dict | None:
     """Play one episode of an agent that talks to the policy through the OpenAI or Anthropic API. With an
     implementation active, the built-in ``slime_generate`` opens a session per sample and awaits this hook;
@@ -211,7 +230,7 @@ async def slime_agent(config: Config, sample: Sample, session: AgentSession) -> 
     history (a client that rewrote its history forks), all sharing one ``rollout_id``. Return a reward (float
     or dict) for every sample of the episode, or None to let ``slime_reward`` score them. It runs under
     ``--agent-timeout``; raising or timing out marks the sample FAILED (not trained). One active plugin may
-    implement it.
+    implement it (two are a start-up error).
 
     Called in: rollout, once per sample, concurrently (the agent's HTTP calls reach the session server on its
     own thread of the same process).
@@ -303,19 +322,20 @@ def slime_train_inputs(config: Config, role: str) -> list[str]:
 
 
 @spec(kind="one", required=True)
-def slime_compute_advantages(config: Config, role: str, batch: dict) -> dict:
+def slime_compute_advantages(config: Config, role: str, batch: TrainBatch) -> Advantages:
     """Return ``{"advantages": [...], "returns": [...]}``: one float tensor per sample over its response
-    tokens (shape ``(response_length,)``). ``batch`` holds ``rewards``, ``loss_masks``, ``response_lengths``
-    and whatever ``slime_train_inputs`` asked for. slime: ``--advantage-estimator`` /
-    ``--custom-advantage-function-path``.
+    tokens (shape ``(response_length,)``). ``batch`` (``slimecore.types.TrainBatch``, this rank's samples)
+    holds ``rewards``, ``loss_masks``, ``response_lengths`` and whatever ``slime_train_inputs`` asked for.
+    slime: ``--advantage-estimator`` / ``--custom-advantage-function-path``.
 
     Called in: train, once per step on this rank's samples.
     """
 
 
 @spec(kind="all")
-def slime_rollout_data_postprocess(config: Config, rollout_id: int, batch: dict) -> None:
-    """Edit the training batch in place after advantages, before the optimizer steps.
+def slime_rollout_data_postprocess(config: Config, rollout_id: int, batch: TrainBatch) -> None:
+    """Edit the training batch (``slimecore.types.TrainBatch``, this rank's samples) in place after advantages,
+    before the optimizer steps.
     slime: ``--rollout-data-postprocess-path``.
 
     Called in: train, once per step.
@@ -324,10 +344,12 @@ def slime_rollout_data_postprocess(config: Config, rollout_id: int, batch: dict)
 
 @spec(kind="one", required=True)
 def slime_loss(
-    config: Config, role: str, batch: dict, outputs: dict, reducer: Any
+    config: Config, role: str, batch: TrainBatch, outputs: ModelOutputs, reducer: Reducer
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Loss of one micro-batch. ``outputs`` holds the current model's per-sample tensors with gradient
-    (``log_probs``, ``entropy`` for the actor; ``values`` for a value role). ``reducer(list_of_tensors)``
+    """Loss of one micro-batch. ``batch`` is the micro-batch's rows of the ``TrainBatch`` (tensors on the
+    trainer's device). ``outputs`` (``slimecore.types.ModelOutputs``) holds the current model's per-sample
+    tensors with gradient (``log_probs``, ``entropy`` for the actor; ``values`` for a value role).
+    ``reducer(list_of_tensors)`` (``slimecore.ops.reducers.Reducer``)
     turns per-token values into this micro-batch's share of the step objective (slime's
     ``sum_of_sample_mean`` already divided by the step's rollout count), so shares add up exactly across
     micro-batches and DP ranks. Return ``(loss, metrics)``; metrics must be reduced with ``reducer`` too.

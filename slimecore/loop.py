@@ -32,7 +32,8 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None,
         on_stage: StageCallback | None = None) -> list[dict]:
     """Run the whole job; returns the metrics of every step (also written to the run folder, ``--log-dir``)."""
     stage = on_stage or (lambda name, rollout_id: None)
-    extra_roles = sorted({role for answer in hooks.train_roles(config=config) for role in answer or ()} - {"actor"})
+    roles = {role for answer in hooks.slime_train_roles(config=config) for role in answer or ()}
+    extra_roles = sorted(roles - {"actor"})
     if set(extra_roles) - {"critic"}:
         raise ConfigError(f"slime_train_roles returned unknown role(s) {sorted(set(extra_roles) - {'critic'})}; the "
                           "core places 'actor' and 'critic' (a value model)")
@@ -127,7 +128,7 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None,
                 stage("eval", rollout_id)
                 metrics.update(evaluate(rollout_id + 1))
             metrics["perf/step_time"] = time.perf_counter() - step_start
-            hooks.step_end(config=config, rollout_id=rollout_id, metrics=metrics)
+            hooks.slime_step_end(config=config, rollout_id=rollout_id, metrics=metrics)
             tracker.log(metrics, rollout_id)
             history.append(metrics)
             if on_step:
@@ -149,7 +150,7 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None,
                 group.shutdown()
             ray_get(rollout.shutdown.remote(), "the rollout manager to shut down", wait)
         ray.util.remove_placement_group(pg)
-        hooks.shutdown(config=config, process="driver")
+        hooks.slime_shutdown(config=config, process="driver")
         tracker.close(completed, final_model)
         release_log_dir(config.log_dir)
     return history

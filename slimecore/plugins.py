@@ -30,12 +30,22 @@ import sys
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable
+from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import pluggy
 
 from slimecore import hookspecs
 from slimecore.config import Config, ConfigError, Option
+
+if TYPE_CHECKING:
+    import torch
+
+    from slimecore.agents.session import AgentSession
+    from slimecore.data.source import BufferFilter
+    from slimecore.ops.reducers import Reducer
+    from slimecore.rollout.client import RolloutClient
+    from slimecore.rollout.hook_args import AgentHook, ObservationHook, SampleHooks
+    from slimecore.types import Advantages, DataSource, FilterResult, ModelOutputs, RolloutOutput, Sample, TrainBatch
 
 ENTRY_POINT_GROUP = "slimecore"
 DEFAULT_PLUGINS = (
@@ -203,11 +213,14 @@ def _check_names(info: PluginInfo) -> None:
 # ---------------------------------------------------------------------------------------------
 
 class Hooks:
-    """Typed entry point through which the core calls hooks.
+    """How the core calls hooks: one method per hook, named as the hook, with the spec's keyword arguments.
 
-    ``hooks.<name>(**kwargs)`` calls ``slime_<name>``; the return depends on the hook's kind:
-    *all* -> list of non-None results; *one* -> the single answer; *first* -> the first non-None
-    answer or None. Async hooks return an awaitable. Errors name the plugin and hook.
+    Each method calls ``pm.hook.slime_xxx`` and pluggy's semantics decide (``firstresult`` for one- and
+    first-answer hooks, wrappers, ``tryfirst`` / ``trylast``); the method adds what the caller needs: async
+    answers awaited, None refused where an answer is required, and for a few all-answers hooks the answers by
+    plugin (options) or combined (``slime_train_inputs``). Every implementation is called through a guard (see
+    ``_guard``) that switches ``active_when`` implementations, traces calls (``SLIMECORE_TRACE_HOOKS=1``) and
+    wraps a plugin's exception in ``HookCallError`` naming the plugin and the hook.
     """
 
     def __init__(self, pm: pluggy.PluginManager, infos: list[PluginInfo]):
@@ -216,21 +229,141 @@ class Hooks:
         self._by_module = {id(i.module): i for i in infos}
         self._trace = os.environ.get("SLIMECORE_TRACE_HOOKS", "") not in ("", "0")
         self.config: Config | None = None  # the run's config, once known: it switches ``active_when`` hookimpls
+        for name in SPECS:
+            for impl in getattr(pm.hook, name).get_hookimpls():
+                impl.function = self._guard(name, impl)
 
     def bind(self, config: Config) -> "Hooks":
         """Use ``config`` to decide which ``active_when`` implementations take part."""
         self.config = config
         return self
 
-    # -- introspection ---------------------------------------------------------------------
+    # -- options and lifecycle -----------------------------------------------------------------
+    def slime_options(self) -> dict[str, list[Option]]:
+        """Each active plugin's declared options, by plugin name."""
+        declared = self._by_plugin("slime_options", list)
+        for plugin, options in declared.items():
+            for option in options:
+                if not isinstance(option, Option):
+                    raise PluginError(f"plugin {plugin!r}: slime_options must return slimecore.config.Option "
+                                      f"objects, got {type(option).__name__}")
+        return declared
+
+    def slime_implied_options(self) -> dict[str, dict[str, Any]]:
+        """Each active plugin's answer (core option values), by plugin name."""
+        return self._by_plugin("slime_implied_options", dict)
+
+    def slime_quickstart_options(self) -> dict[str, dict[str, Any]]:
+        """Each active plugin's non-empty answer (core option values), by plugin name."""
+        return {name: values for name, values in self._by_plugin("slime_quickstart_options", dict).items() if values}
+
+    def slime_validate_config(self, *, config: Config) -> None:
+        self.pm.hook.slime_validate_config(config=config)
+
+    def slime_startup(self, *, config: Config, process: str) -> None:
+        self.pm.hook.slime_startup(config=config, process=process)
+
+    def slime_step_end(self, *, config: Config, rollout_id: int, metrics: dict[str, float]) -> None:
+        self.pm.hook.slime_step_end(config=config, rollout_id=rollout_id, metrics=metrics)
+
+    def slime_shutdown(self, *, config: Config, process: str) -> None:
+        self.pm.hook.slime_shutdown(config=config, process=process)
+
+    # -- data ----------------------------------------------------------------------------------
+    def slime_data_source(self, *, config: Config, tokenizer: Any, buffer_filter: BufferFilter) -> DataSource:
+        return self._answer("slime_data_source", self.pm.hook.slime_data_source(
+            config=config, tokenizer=tokenizer, buffer_filter=buffer_filter))
+
+    def slime_buffer_filter(self, *, config: Config, buffer: list[list[Sample]],
+                            num_groups: int) -> list[list[Sample]] | None:
+        return self.pm.hook.slime_buffer_filter(config=config, buffer=buffer, num_groups=num_groups)
+
+    def slime_datasets(self) -> list[dict[str, str]]:
+        return self.pm.hook.slime_datasets()
+
+    # -- rollout -------------------------------------------------------------------------------
+    async def slime_rollout(self, *, config: Config, rollout_id: int, data_source: DataSource, client: RolloutClient,
+                            sample_hooks: SampleHooks, evaluation: bool) -> RolloutOutput:
+        return self._answer("slime_rollout", await self._awaited(self.pm.hook.slime_rollout(
+            config=config, rollout_id=rollout_id, data_source=data_source, client=client, sample_hooks=sample_hooks,
+            evaluation=evaluation)))
+
+    async def slime_generate(self, *, config: Config, sample: Sample, sampling_params: dict, client: RolloutClient,
+                             evaluation: bool, observation: ObservationHook | None,
+                             agent: AgentHook | None) -> Sample | list[Sample]:
+        return self._answer("slime_generate", await self._awaited(self.pm.hook.slime_generate(
+            config=config, sample=sample, sampling_params=sampling_params, client=client, evaluation=evaluation,
+            observation=observation, agent=agent)))
+
+    async def slime_observation(self, *, config: Config, sample: Sample, text: str, turn: int) -> str | None:
+        return await self._awaited(self.pm.hook.slime_observation(config=config, sample=sample, text=text, turn=turn))
+
+    async def slime_agent(self, *, config: Config, sample: Sample, session: AgentSession) -> float | dict | None:
+        return await self._awaited(self.pm.hook.slime_agent(config=config, sample=sample, session=session))
+
+    async def slime_process_sample(self, *, config: Config, sample: Sample, rollout_id: int, evaluation: bool) -> None:
+        for answer in self.pm.hook.slime_process_sample(config=config, sample=sample, rollout_id=rollout_id,
+                                                        evaluation=evaluation):
+            await self._awaited(answer)  # an async implementation (slime's sample hooks may be async)
+
+    async def slime_reward(self, *, config: Config, sample: Sample) -> float | dict:
+        """The first answer (several reward plugins are combined by ``SampleHooks.reward``)."""
+        return self._answer("slime_reward", await self._awaited(self.pm.hook.slime_reward(config=config,
+                                                                                          sample=sample)))
+
+    async def slime_group_reward(self, *, config: Config, samples: list[Sample]) -> list[float | dict]:
+        return self._answer("slime_group_reward", await self._awaited(self.pm.hook.slime_group_reward(
+            config=config, samples=samples)))
+
+    def slime_filter_group(self, *, config: Config, samples: list[Sample]) -> list[tuple[str, FilterResult | bool]]:
+        """``(plugin, verdict)`` of every plugin with an opinion, in call order: the rollout names the plugin that
+        dropped a group, so each implementation is called in turn rather than through pluggy's list."""
+        return self._each("slime_filter_group", config=config, samples=samples)
+
+    def slime_post_process_rewards(self, *, config: Config,
+                                   samples: list[Sample]) -> tuple[list[float], list[float]]:
+        return self._answer("slime_post_process_rewards", self.pm.hook.slime_post_process_rewards(
+            config=config, samples=samples))
+
+    def slime_log_rollout(self, *, config: Config, rollout_id: int, samples: list[Sample],
+                          metrics: dict[str, float]) -> None:
+        self.pm.hook.slime_log_rollout(config=config, rollout_id=rollout_id, samples=samples, metrics=metrics)
+
+    # -- training ------------------------------------------------------------------------------
+    def slime_train_roles(self, *, config: Config) -> list[list[str]]:
+        return self.pm.hook.slime_train_roles(config=config)
+
+    def slime_train_inputs(self, *, config: Config, role: str) -> set[str]:
+        """The union of the extra inputs every active plugin's loss needs."""
+        return {item for items in self.pm.hook.slime_train_inputs(config=config, role=role) for item in items}
+
+    def slime_compute_advantages(self, *, config: Config, role: str, batch: TrainBatch) -> Advantages:
+        return self._answer("slime_compute_advantages", self.pm.hook.slime_compute_advantages(
+            config=config, role=role, batch=batch))
+
+    def slime_rollout_data_postprocess(self, *, config: Config, rollout_id: int, batch: TrainBatch) -> None:
+        self.pm.hook.slime_rollout_data_postprocess(config=config, rollout_id=rollout_id, batch=batch)
+
+    def slime_loss(self, *, config: Config, role: str, batch: TrainBatch, outputs: ModelOutputs,
+                   reducer: Reducer) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return self._answer("slime_loss", self.pm.hook.slime_loss(config=config, role=role, batch=batch,
+                                                                  outputs=outputs, reducer=reducer))
+
+    # -- models --------------------------------------------------------------------------------
+    def slime_model_bridge(self, *, config: Config, hf_config: Any) -> Any | None:
+        return self.pm.hook.slime_model_bridge(config=config, hf_config=hf_config)
+
+    # -- introspection -------------------------------------------------------------------------
     def plugin_name(self, impl: pluggy.HookImpl) -> str:
         info = self._by_module.get(id(impl.plugin))
         return info.name if info else impl.plugin_name
 
     def implementers(self, hook: str) -> list[pluggy.HookImpl]:
-        """Implementations in call order (later-registered plugins first, as pluggy calls them), without the
-        ``active_when`` ones this run does not switch on."""
-        return [i for i in reversed(getattr(self.pm.hook, hook).get_hookimpls()) if self._switched(i) is not False]
+        """Implementations in pluggy's call order (switched-on ``active_when`` ones of one- and first-answer hooks
+        first, then plugins, later-registered first, then the built-in defaults), without wrappers and without
+        the ``active_when`` ones this run does not switch on."""
+        return [i for i in reversed(getattr(self.pm.hook, hook).get_hookimpls())
+                if not (i.wrapper or i.hookwrapper) and self._switched(i) is not False]
 
     def _switched(self, impl: pluggy.HookImpl) -> bool | None:
         """None for an ordinary implementation; for an ``active_when`` one, whether this run switches it on."""
@@ -248,17 +381,21 @@ class Hooks:
         """Every implementation that answers a one-answer hook over the built-in default, in activation order
         (switched-on ``active_when`` ones, then plugins in ``--plugin`` order); else the default alone. Only
         hooks whose answers are combined (``slime_reward``) use more than the first."""
-        registered = list(reversed(self.implementers(hook)))
+        registered = sorted(self.implementers(hook), key=self._registration_order)
         chosen = [i for i in registered if self._switched(i)] + [i for i in registered if not self._is_default(i)]
         return chosen or registered[:1]
+
+    def _registration_order(self, impl: pluggy.HookImpl) -> int:
+        return next((n for n, info in enumerate(self.plugins) if info.module is impl.plugin), len(self.plugins))
 
     def is_default(self, impl: pluggy.HookImpl | None) -> bool:
         """Whether ``impl`` is a built-in default (``slimecore.defaults.*``) that no flag switched on."""
         return impl is not None and self._is_default(impl) and not self._switched(impl)
 
     def call(self, hook: str, impl: pluggy.HookImpl, **kwargs):
-        """Call one implementation of ``hook`` (an awaitable for async hooks); errors name its plugin."""
-        return self._invoke(hook, impl, kwargs)
+        """Call one implementation of ``hook`` (an awaitable for async hooks; guarded like every call): for the
+        core's combination of several plugins' answers (``slime_reward`` with ``--reward-weights``)."""
+        return impl.function(*(kwargs[name] for name in impl.argnames))
 
     def _is_default(self, impl: pluggy.HookImpl) -> bool:
         info = self._by_module.get(id(impl.plugin))
@@ -274,7 +411,7 @@ class Hooks:
         for name, spec_fn in SPECS.items():
             impls = self.implementers(name)
             custom = [self.plugin_name(i) for i in impls if not self._is_default(i)]
-            if spec_fn.slime_kind == "one" and len(custom) > 1 and not spec_fn.slime_combined:
+            if spec_fn.slime_single and len(custom) > 1:
                 raise PluginError(
                     f"plugins {', '.join(repr(c) for c in custom)} all implement {name}, which takes one answer; "
                     f"activate only one of them (remove a --plugin), or move one's {name} into a separate plugin")
@@ -284,103 +421,89 @@ class Hooks:
                     f"{', '.join(i.name for i in self.plugins)}. Add one that does, e.g. --plugin grpo "
                     f"(`slime-core plugins` shows which installed plugin implements which hook)")
 
-    # -- calling -----------------------------------------------------------------------------
-    def __getattr__(self, short: str):
-        name = "slime_" + short
-        if name not in SPECS:
-            raise AttributeError(f"no hook named {name}")
-        spec_fn = SPECS[name]
+    # -- calling -------------------------------------------------------------------------------
+    def _guard(self, hook: str, impl: pluggy.HookImpl) -> Callable:
+        """``impl``'s function as pluggy calls it (positional arguments in ``impl.argnames`` order): an
+        ``active_when`` one this run does not switch on answers None (pluggy moves on; a wrapper passes the inner
+        answer through); otherwise the call is traced and a plugin's exception, raised at once or when its
+        awaitable is awaited, becomes a ``HookCallError`` naming the plugin and the hook."""
+        function, plugin = impl.function, self.plugin_name(impl)
 
-        def call(**kwargs):
-            if spec_fn.slime_kind == "all":
-                return [r for r in (self._invoke(name, impl, kwargs) for impl in self.implementers(name)) if r is not None]
-            if spec_fn.slime_kind == "one":
-                impl = self.answerer(name)
-                if impl is None:
-                    raise PluginError(f"no active plugin implements {name}; add a plugin that does (see `slime-core plugins`)")
-                return self._invoke(name, impl, kwargs, must_answer=True)
-            for impl in self.implementers(name):
-                result = self._invoke(name, impl, kwargs)
-                if result is not None:
-                    return result
-            return None
+        def guarded(*args):
+            if self._switched(impl) is False:
+                return None
+            self._trace_call(hook, plugin)
+            try:
+                result = function(*args)
+            except (PluginError, ConfigError):
+                raise  # already a message for the user (e.g. slime_validate_config rejecting flags)
+            except Exception as exc:
+                raise HookCallError(plugin, hook, exc) from exc
+            return _guarded_await(plugin, hook, result) if inspect.isawaitable(result) else result
 
-        call.__name__ = short
-        call.__doc__ = spec_fn.__doc__
-        return call
+        def guarded_wrapper(*args):
+            if self._switched(impl) is False:
+                return (yield)
+            self._trace_call(hook, plugin)
+            try:
+                result = yield from function(*args)
+            except (PluginError, ConfigError):
+                raise
+            except Exception as exc:
+                raise HookCallError(plugin, hook, exc) from exc
+            return _guarded_await(plugin, hook, result) if inspect.isawaitable(result) else result
 
-    def answers(self, hook: str, **kwargs) -> list[tuple[str, Any]]:
-        """``(plugin name, answer)`` of every implementation of an all-answers hook, in call order, None skipped:
-        for a caller that must say which plugin answered what."""
-        return [(self.plugin_name(impl), answer) for impl in self.implementers(hook)
-                if (answer := self._invoke(hook, impl, kwargs)) is not None]
+        wrapped = guarded_wrapper if impl.wrapper or impl.hookwrapper else guarded
+        wrapped.slime_active_when = getattr(function, "slime_active_when", None)
+        wrapped.slime_reward_name = getattr(function, "slime_reward_name", None)
+        wrapped.__wrapped__ = function
+        return wrapped
 
-    def train_inputs(self, **kwargs) -> set[str]:
-        """Union of the extra inputs every active plugin's loss needs."""
-        return {item for items in self.__getattr__("train_inputs")(**kwargs) for item in items}
-
-    def _invoke(self, hook: str, impl: pluggy.HookImpl, kwargs: dict, must_answer: bool = False):
-        plugin = self.plugin_name(impl)
-        args = {k: kwargs[k] for k in impl.argnames if k in kwargs}
-        missing = [a for a in impl.argnames if a not in kwargs]
-        if missing:
-            raise PluginError(f"plugin {plugin!r}: {hook} asks for {missing}, which the core does not pass; "
-                              f"valid parameters: {list(kwargs)}")
+    def _trace_call(self, hook: str, plugin: str) -> None:
         if self._trace:
             print(f"[slimecore hook] {hook} -> {plugin}", file=sys.stderr)
-        try:
-            result = impl.function(**args)
-        except (PluginError, ConfigError):
-            raise  # already a message for the user (e.g. slime_validate_config rejecting flags)
-        except Exception as exc:
-            raise HookCallError(plugin, hook, exc) from exc
-        if inspect.isawaitable(result):
-            return self._await(plugin, hook, result, must_answer)
-        if must_answer and result is None:
-            raise PluginError(f"plugin {plugin!r}: {hook} returned None; it must return an answer")
-        return result
 
     @staticmethod
-    async def _await(plugin: str, hook: str, awaitable, must_answer: bool):
-        try:
-            result = await awaitable
-        except (PluginError, ConfigError, asyncio.CancelledError):
-            raise
-        except Exception as exc:
-            raise HookCallError(plugin, hook, exc) from exc
-        if must_answer and result is None:
-            raise PluginError(f"plugin {plugin!r}: {hook} returned None; it must return an answer")
-        return result
+    async def _awaited(answer):
+        return await answer if inspect.isawaitable(answer) else answer
 
-    # -- options -----------------------------------------------------------------------------
-    def declared_options(self) -> dict[str, list[Option]]:
-        declared: dict[str, list[Option]] = {}
-        for impl in self.implementers("slime_options"):
-            options = self._invoke("slime_options", impl, {}) or []
-            for option in options:
-                if not isinstance(option, Option):
-                    raise PluginError(f"plugin {self.plugin_name(impl)!r}: slime_options must return "
-                                      f"slimecore.config.Option objects, got {type(option).__name__}")
-            declared[self.plugin_name(impl)] = list(options)
-        return declared
+    def _answer(self, hook: str, answer):
+        """A one-answer hook's answer, which must not be None. For an async hook the first implementation's
+        awaitable was the answer; for a sync one every implementation answered None."""
+        if answer is None:
+            tried = [self.plugin_name(i) for i in self.implementers(hook)]
+            tried = tried[:1] if SPECS[hook].slime_async else tried
+            if not tried:
+                raise PluginError(f"no active plugin implements {hook}; add a plugin that does "
+                                  "(see `slime-core plugins`)")
+            raise PluginError(f"plugin {', '.join(repr(t) for t in tried)}: {hook} returned None; it must return an "
+                              "answer")
+        return answer
 
-    def implied_options(self) -> dict[str, dict]:
-        """Each active plugin's ``slime_implied_options`` answer (core option values), by plugin name."""
-        return self._option_values("slime_implied_options")
+    def _each(self, hook: str, **kwargs) -> list[tuple[str, Any]]:
+        """``(plugin name, answer)`` of every implementation of an all-answers hook, in call order, None skipped."""
+        return [(self.plugin_name(impl), answer) for impl in self.implementers(hook)
+                if (answer := self.call(hook, impl, **kwargs)) is not None]
 
-    def quickstart_options(self) -> dict[str, dict]:
-        """Each active plugin's non-empty ``slime_quickstart_options`` answer (core option values), by plugin."""
-        return {name: values for name, values in self._option_values("slime_quickstart_options").items() if values}
-
-    def _option_values(self, hook: str) -> dict[str, dict]:
-        answers: dict[str, dict] = {}
+    def _by_plugin(self, hook: str, kind: type) -> dict[str, Any]:
+        """Each implementation's answer to an argument-less all-answers hook, by plugin name (None: empty)."""
+        answers: dict[str, Any] = {}
         for impl in self.implementers(hook):
-            values = self._invoke(hook, impl, {}) or {}
-            if not isinstance(values, dict):
-                raise PluginError(f"plugin {self.plugin_name(impl)!r}: {hook} must return a dict of core option names "
-                                  f"to values, got {type(values).__name__}")
-            answers[self.plugin_name(impl)] = dict(values)
+            values = self.call(hook, impl) or kind()
+            if not isinstance(values, (list, tuple) if kind is list else kind):
+                raise PluginError(f"plugin {self.plugin_name(impl)!r}: {hook} must return a {kind.__name__}, got "
+                                  f"{type(values).__name__}")
+            answers[self.plugin_name(impl)] = kind(values)
         return answers
+
+
+async def _guarded_await(plugin: str, hook: str, awaitable):
+    try:
+        return await awaitable
+    except (PluginError, ConfigError, asyncio.CancelledError):
+        raise
+    except Exception as exc:
+        raise HookCallError(plugin, hook, exc) from exc
 
 
 class HookCallError(PluginError):
@@ -406,14 +529,33 @@ def _restore_hook_call_error(plugin: str, hook: str, kind: str, text: str, trace
     return error
 
 
+class _PluginManager(pluggy.PluginManager):
+    """pluggy's manager, ordering the built-in defaults' implementations: ``trylast`` (a plugin's answer comes
+    first, so it replaces the default's), except ``active_when`` ones of one- and first-answer hooks, which are
+    ``tryfirst`` (a ``--*-path`` flag the user gave answers over every plugin)."""
+
+    def __init__(self, default_modules: set[int]):
+        super().__init__(hookspecs.PROJECT)
+        self.default_modules = default_modules
+
+    def parse_hookimpl_opts(self, plugin, name: str):
+        opts = super().parse_hookimpl_opts(plugin, name)
+        if opts is None or id(plugin) not in self.default_modules or opts.get("tryfirst") or opts.get("trylast"):
+            return opts
+        spec_fn = SPECS.get(opts.get("specname") or name)
+        switched = getattr(getattr(plugin, name), "slime_active_when", None) is not None
+        first = switched and spec_fn is not None and spec_fn.slime_kind != "all"
+        return {**opts, "tryfirst": first, "trylast": not first}
+
+
 def load_plugins(specs: Iterable[str], extra: Iterable[Any] = (), defaults: bool = True) -> Hooks:
     """Load the defaults, the plugins named by ``specs`` and ``extra`` objects; check them; return the facade.
 
     Every process that calls hooks calls this with the run's ``config.plugins``.
     """
-    pm = pluggy.PluginManager(hookspecs.PROJECT)
-    pm.add_hookspecs(hookspecs)
     infos = [resolve(spec) for spec in list(DEFAULT_PLUGINS if defaults else ()) + list(specs)]
+    pm = _PluginManager({id(info.module) for info in infos if info.is_default})
+    pm.add_hookspecs(hookspecs)
     seen: set[int] = set()
     for obj in extra:
         name = getattr(obj, "__name__", None) or type(obj).__name__

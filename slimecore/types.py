@@ -14,7 +14,10 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypedDict
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Status(str, enum.Enum):
@@ -253,3 +256,113 @@ class DataSource:
 
     def __len__(self) -> int:
         raise NotImplementedError
+
+
+# ---------------------------------------------------------------------------------------------
+# The training batch, stage by stage
+# ---------------------------------------------------------------------------------------------
+#
+# TypedDicts, not a dataclass: every stage stays the plain ``dict`` it is at run time (it crosses Ray pickled,
+# the trainers slice it by key, slime's functions read ``rollout_data[key]`` and set new keys), so declaring the
+# keys changes no code that makes or reads a batch; type checkers and readers get the columns and their types.
+# The four forms, where each is made and who reads it:
+#   1. RolloutColumns: made by ``convert_samples`` (rollout manager), read by the data-parallel schedule;
+#   2. RankData: made by the schedule's ``split_for_ranks``, one per DP rank through the Ray object store, read
+#      by each training rank's ``train``;
+#   3. TrainBatch: made by the trainer from its RankData (tensors, old/reference log-probs, the critic's values,
+#      then advantages and returns), read by ``slime_compute_advantages`` and ``slime_rollout_data_postprocess``;
+#   4. the micro-batch: the TrainBatch rows of one micro-batch (tensors on the trainer's device), read by
+#      ``slime_loss`` together with ``ModelOutputs`` and a ``slimecore.ops.reducers.Reducer``.
+# Per-sample columns are lists aligned with the samples; per-token ones hold ``response_length`` entries each.
+
+
+class _EngineLogProbs(TypedDict, total=False):
+    rollout_log_probs: list[list[float]]  # the engine's log-probs, when every sample has them
+
+
+class RolloutColumns(_EngineLogProbs):
+    """One step's samples as training columns, the keys of slime's ``_convert_samples_to_train_data`` that
+    slime-core produces (optional keys sit in ``total=False`` bases, so ``__required_keys__`` is right at run
+    time). slime's ``raw_reward`` is ``raw_rewards`` here (the slime adapter hands slime's functions slime's
+    name). slime columns not produced: ``round_number``, ``rollout_top_p_token_ids`` /
+    ``rollout_top_p_token_offsets``, ``rollout_routed_experts``, ``metadata``, ``multimodal_train_inputs``,
+    ``teacher_log_probs``, ``source_names`` (no engine here returns those, and no loss reads them)."""
+
+    tokens: list[list[int]]  # prompt + response ids
+    response_lengths: list[int]
+    loss_masks: list[list[int]]  # per response token; all zeros for ``remove_sample``
+    rewards: list[float]  # after ``slime_post_process_rewards`` (e.g. group-normalised)
+    raw_rewards: list[float]  # before it
+    rollout_ids: list[int]  # ``Sample.rollout_id``, or a fresh id: samples of one rollout share one loss weight
+    sample_indices: list[int | None]
+    truncated: list[int]  # 1 where the response hit the length limit
+    weight_versions: list[str | None]  # slime-core: the policy version that finished each sample
+
+
+class StepSchedule(TypedDict):
+    """One optimizer step of one rank (``slimecore.trainers.schedule``)."""
+
+    micro_batches: list[list[int]]  # local sample indices per micro-batch; an empty one keeps ranks in step
+    num_rollouts: int  # B: the step's rollouts with a trainable token, over all ranks (sample-mean reducer)
+    num_tokens: int  # N: the step's loss-mask tokens over all ranks (token-mean reducer)
+
+
+class _OtherRoles(TypedDict, total=False):
+    values: list[torch.Tensor]  # the critic's, for the actor
+    returns: list[torch.Tensor]  # the actor's, for the critic (which then skips advantages)
+
+
+class RankData(RolloutColumns, _OtherRoles):
+    """One DP rank's share: its samples' rows of every per-sample column (whole-batch values copied), plus the
+    schedule's columns (slime-core's, where slime keeps ``partition`` / ``micro_batch_indices``) and what another
+    training role adds for this rank (``values``, ``returns``)."""
+
+    rollout_mask_sums: list[float]  # D_i: loss-mask tokens of every sample of sample i's rollout
+    steps: list[StepSchedule]
+
+
+class _StepInputs(TypedDict, total=False):
+    rollout_log_probs: list[torch.Tensor]
+    # the inputs ``slime_train_inputs`` asked for, computed by the trainer before advantages (no gradient):
+    log_probs: list[torch.Tensor]  # old policy
+    entropy: list[torch.Tensor]
+    ref_log_probs: list[torch.Tensor]  # reference model
+    values: list[torch.Tensor]  # the critic's (with a critic role)
+    # set by ``slime_compute_advantages`` (or, for the critic, received from the actor):
+    advantages: list[torch.Tensor]
+    returns: list[torch.Tensor]
+
+
+class TrainBatch(_StepInputs):
+    """The batch the training hooks see: a rank's ``RankData`` without ``steps``, with ``loss_masks``,
+    ``rollout_log_probs``, ``values`` and ``returns`` as float32 tensors per sample, plus what the step adds
+    (the optional keys, listed in ``_StepInputs``). ``slime_loss`` gets the rows of one micro-batch under the
+    same keys. The slime adapter renames it to slime's ``rollout_data`` (``to_slime_batch``: ``raw_reward``,
+    ``unconcat_tokens``, ``total_lengths``)."""
+
+    tokens: list[list[int]]
+    response_lengths: list[int]
+    loss_masks: list[torch.Tensor]
+    rewards: list[float]
+    raw_rewards: list[float]
+    rollout_ids: list[int]
+    sample_indices: list[int | None]
+    truncated: list[int]
+    weight_versions: list[str | None]
+    rollout_mask_sums: list[float]
+
+
+class Advantages(TypedDict):
+    """What ``slime_compute_advantages`` returns; the trainer merges it into the ``TrainBatch``."""
+
+    advantages: list[torch.Tensor]
+    returns: list[torch.Tensor]
+
+
+class ModelOutputs(TypedDict, total=False):
+    """The current model's per-sample tensors of one micro-batch, with gradient, that ``slime_loss`` gets:
+    ``log_probs`` and ``entropy`` for the actor, ``values`` for a value role."""
+
+    log_probs: list[torch.Tensor]
+    entropy: list[torch.Tensor] | None
+    values: list[torch.Tensor]

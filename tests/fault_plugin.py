@@ -78,11 +78,11 @@ def slime_process_sample(config, sample, rollout_id, evaluation):
 
 
 @hookimpl
-async def slime_generate(config, sample, sampling_params, client, evaluation, hooks):
+async def slime_generate(config, sample, sampling_params, client, evaluation, observation, agent):
     faults = dict(item.split(":") for item in config.plugin("fault_plugin").fault_at)
     if not evaluation and str(_step) in faults and _step not in _injected:
         _injected.add(_step)
         await asyncio.sleep(0.05)  # the other samples' requests are sent meanwhile
         _inject(config, _step, faults[str(_step)], client.url)
     return await builtin.slime_generate(config=config, sample=sample, sampling_params=sampling_params, client=client,
-                                          hooks=hooks)
+                                        observation=observation, agent=agent)

@@ -22,6 +22,7 @@ from slimecore.agents.episode import stop_session_server
 from slimecore.config import Config
 from slimecore.plugins import load_plugins
 from slimecore.rollout.client import RolloutClient
+from slimecore.rollout.hook_args import SampleHooks
 from slimecore.rollout.manager import convert_samples
 from slimecore.rollout.schedule import build_dp_schedule
 from slimecore.types import Sample, Status
@@ -208,7 +209,7 @@ def test_a_rewritten_history_forks_and_grpo_keeps_the_rollout_together(agent_ses
     for sample, reward in zip([*forked, other], [1.0, 1.0, 0.0]):
         sample.reward = reward
     hooks = load_plugins(["grpo"])
-    values = {o.name: o.default for o in hooks.declared_options()["grpo"]}
+    values = {o.name: o.default for o in hooks.slime_options()["grpo"]}
     config = Config.make(plugin_values={"grpo": values}, n_samples_per_prompt=2, rollout_batch_size=1,
                          global_batch_size=1)
     data = convert_samples(hooks, config, [*forked, other])
@@ -357,8 +358,9 @@ def test_slime_agent_through_the_built_in_generate(tiny_engine, tiny_hf_checkpoi
 
     async def go():
         try:
-            return await hooks.generate(config=config, sample=sample, sampling_params=sampling_params(config),
-                                        client=client, evaluation=False, hooks=hooks)
+            return await SampleHooks(hooks).generate(config=config, sample=sample,
+                                                     sampling_params=sampling_params(config), client=client,
+                                                     evaluation=False)
         finally:
             await client.close()
 

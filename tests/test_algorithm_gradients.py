@@ -37,7 +37,7 @@ CASES = [
 
 
 def _config(checkpoint, plugin: str, overrides: dict, rollouts: int) -> Config:
-    defaults = {o.name: o.default for o in load_plugins([plugin]).declared_options()[plugin]}
+    defaults = {o.name: o.default for o in load_plugins([plugin]).slime_options()[plugin]}
     return Config.make(plugins=[plugin], plugin_values={plugin: defaults | overrides}, hf_checkpoint=str(checkpoint),
                        lr=1e-3, rollout_batch_size=rollouts, global_batch_size=rollouts)
 

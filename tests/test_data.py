@@ -16,6 +16,7 @@ from slimecore.data.source import PromptDataSource, load_prompts, make_eval_sour
 from slimecore.data.tasks import TASKS
 from slimecore.hf_checkpoint import load_tokenizer
 from slimecore.plugins import load_plugins
+from slimecore.rollout.hook_args import buffer_filter
 from slimecore.types import Sample
 
 
@@ -277,7 +278,7 @@ def test_default_data_plugin_asks_the_buffer_filter_hook(tokenizer):
     config = Config.make(task_size=4, n_samples_per_prompt=2)
     for extra, expected in (((), [0, 1]), ((NewestFirst(),), [1, 0])):
         hooks = load_plugins([], extra=extra)
-        source = hooks.data_source(config=config, tokenizer=tokenizer, hooks=hooks)
+        source = hooks.slime_data_source(config=config, tokenizer=tokenizer, buffer_filter=buffer_filter(hooks, config))
         assert isinstance(source, PromptDataSource) and len(source) == 4
         source.add_samples(source.get_samples(2))
         assert [g[0].group_index for g in source.get_samples(2)] == expected
@@ -287,7 +288,7 @@ def test_builtin_reward_dispatch_and_errors():
     hooks = load_plugins([])
 
     def reward(sample, **config):
-        return asyncio.run(hooks.reward(config=Config.make(**config), sample=sample))
+        return asyncio.run(hooks.slime_reward(config=Config.make(**config), sample=sample))
 
     assert reward(Sample(response="42", label="42", metadata={"rm_type": "compare"})) == 1.0
     assert reward(Sample(response="apple", label="apple"), rm_type="repeat") == 1.0

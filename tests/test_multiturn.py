@@ -15,6 +15,7 @@ from slimecore.data.source import PromptDataSource, load_prompts
 from slimecore.hf_checkpoint import load_tokenizer
 from slimecore.plugins import load_plugins
 from slimecore.rollout.client import RolloutClient
+from slimecore.rollout.hook_args import SampleHooks
 from slimecore.rollout.manager import convert_samples
 from slimecore.trainers.fsdp import FSDPTrainer
 from slimecore.types import Status
@@ -39,8 +40,8 @@ def _rollout(config, hooks, router, tokenizer, checkpoint):
 
     async def go():
         try:
-            return await hooks.rollout(config=config, rollout_id=0, data_source=source, client=client, hooks=hooks,
-                                       evaluation=False)
+            return await hooks.slime_rollout(config=config, rollout_id=0, data_source=source, client=client,
+                                             sample_hooks=SampleHooks(hooks), evaluation=False)
         finally:
             await client.close()
 

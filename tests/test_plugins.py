@@ -107,9 +107,9 @@ def test_a_plugin_replaces_the_default_and_errors_name_plugin_and_hook(tmp_path)
     hooks = load_plugins([spec])
     assert hooks.plugin_name(hooks.answerer("slime_reward")) == "custom"
     config = Config.make()
-    assert asyncio.run(hooks.reward(config=config, sample=Sample(label="x"))) == 0.25
+    assert asyncio.run(hooks.slime_reward(config=config, sample=Sample(label="x"))) == 0.25
     with pytest.raises(HookCallError) as err:
-        asyncio.run(hooks.reward(config=config, sample=Sample(label="boom")))
+        asyncio.run(hooks.slime_reward(config=config, sample=Sample(label="boom")))
     assert err.value.plugin == "custom" and err.value.hook == "slime_reward" and "reward service down" in str(err.value)
 
 
@@ -121,15 +121,21 @@ def test_sync_hook_error_and_none_answer(tmp_path):
 
     hooks = load_plugins([], extra=[Bad()])
     with pytest.raises(HookCallError, match="raised in slime_post_process_rewards: KeyError"):
-        hooks.post_process_rewards(config=Config.make(), samples=[])
+        hooks.slime_post_process_rewards(config=Config.make(), samples=[])
 
     class Silent:
         @hookimpl
         def slime_post_process_rewards(self, config, samples):
-            return None
+            return None  # pluggy's firstresult: None passes the call on, here to the built-in default
 
-    with pytest.raises(PluginError, match="returned None"):
-        load_plugins([], extra=[Silent()]).post_process_rewards(config=Config.make(), samples=[])
+        @hookimpl
+        def slime_loss(self, config, role, batch, outputs, reducer):
+            return None  # ... and here to nobody
+
+    silent = load_plugins([], extra=[Silent()])
+    assert silent.slime_post_process_rewards(config=Config.make(), samples=[Sample(reward=1.0)]) == ([1.0], [1.0])
+    with pytest.raises(PluginError, match="plugin 'Silent': slime_loss returned None; it must return an answer"):
+        silent.slime_loss(config=Config.make(), role="actor", batch={}, outputs={}, reducer=sum)
 
 
 def test_file_plugin_is_called_when_active():
@@ -137,7 +143,7 @@ def test_file_plugin_is_called_when_active():
     hooks = load_plugins([spec])
     assert hooks.plugin_name(hooks.answerer("slime_reward")) == "my_reward"
     sample = Sample(label="42", response="It is 42")
-    assert asyncio.run(hooks.reward(config=Config.make(), sample=sample)) == 1.0
+    assert asyncio.run(hooks.slime_reward(config=Config.make(), sample=sample)) == 1.0
 
 
 def _install_example():
@@ -160,9 +166,9 @@ def test_pip_installed_plugin_is_discovered_listed_and_called():
     assert rows["my_reward"]["distribution"] == "my-reward-plugin"
     assert rows["my_reward"]["hooks"] == ["slime_options", "slime_reward"]
     hooks = load_plugins(["my_reward"])
-    options = hooks.declared_options()["my_reward"]
+    options = hooks.slime_options()["my_reward"]
     config = Config.make(plugin_values={"my_reward": {o.name: o.default for o in options} | {"length_penalty": 0.01}})
-    got = asyncio.run(hooks.reward(config=config, sample=Sample(label="7", response="7 apples")))
+    got = asyncio.run(hooks.slime_reward(config=config, sample=Sample(label="7", response="7 apples")))
     assert got == pytest.approx(1.0 - 0.08)
 
 
@@ -179,7 +185,7 @@ def test_allow_and_deny_lists(monkeypatch):
 def test_hook_tracing(monkeypatch, capsys):
     monkeypatch.setenv("SLIMECORE_TRACE_HOOKS", "1")
     hooks = load_plugins([])
-    hooks.post_process_rewards(config=Config.make(), samples=[Sample(reward=1.0)])
+    hooks.slime_post_process_rewards(config=Config.make(), samples=[Sample(reward=1.0)])
     assert "[slimecore hook] slime_post_process_rewards -> slimecore.defaults.rollout" in capsys.readouterr().err
 
 
@@ -202,6 +208,62 @@ def test_first_answer_hooks_let_several_plugins_coexist():
     hooks = load_plugins([], extra=[LlamaBridge(), QwenBridge()])
     hooks.check(skip_required=["slime_compute_advantages", "slime_loss"])  # no conflict: first answer wins
     arch = lambda name: types.SimpleNamespace(architectures=[name])  # noqa: E731
-    assert hooks.model_bridge(config=Config.make(), hf_config=arch("Qwen2ForCausalLM")) == "qwen-bridge"
-    assert hooks.model_bridge(config=Config.make(), hf_config=arch("LlamaForCausalLM")) == "llama-bridge"
-    assert hooks.model_bridge(config=Config.make(), hf_config=arch("GPT2LMHeadModel")) is None
+    assert hooks.slime_model_bridge(config=Config.make(), hf_config=arch("Qwen2ForCausalLM")) == "qwen-bridge"
+    assert hooks.slime_model_bridge(config=Config.make(), hf_config=arch("LlamaForCausalLM")) == "llama-bridge"
+    assert hooks.slime_model_bridge(config=Config.make(), hf_config=arch("GPT2LMHeadModel")) is None
+
+
+class Doubling:
+    @hookimpl(wrapper=True)
+    def slime_post_process_rewards(self, config, samples):
+        raw, rewards = yield
+        return raw, [2 * r for r in rewards]
+
+
+class FirstBridge:
+    @hookimpl(tryfirst=True)
+    def slime_model_bridge(self, config, hf_config):
+        return "first"
+
+
+class LaterBridge:
+    @hookimpl
+    def slime_model_bridge(self, config, hf_config):
+        return "later"
+
+
+def test_pluggy_wrappers_and_ordering_decide():
+    """The facade calls pluggy: a plugin's wrapper sees and replaces the answer (here the built-in default's,
+    which pluggy calls last), and tryfirst beats pluggy's later-registered-first order."""
+    hooks = load_plugins([], extra=[Doubling(), FirstBridge(), LaterBridge()])
+    config = Config.make()
+    assert hooks.slime_post_process_rewards(config=config, samples=[Sample(reward=1.5)]) == ([1.5], [3.0])
+    assert hooks.slime_model_bridge(config=config, hf_config=None) == "first"
+    assert [hooks.plugin_name(i) for i in hooks.implementers("slime_model_bridge")] == ["FirstBridge", "LaterBridge"]
+
+
+def test_a_wrapper_that_raises_is_named():
+    class BrokenWrapper:
+        @hookimpl(wrapper=True)
+        def slime_post_process_rewards(self, config, samples):
+            yield
+            raise ValueError("wrapper bug")
+
+    hooks = load_plugins([], extra=[BrokenWrapper()])
+    with pytest.raises(HookCallError) as err:
+        hooks.slime_post_process_rewards(config=Config.make(), samples=[])
+    assert err.value.plugin == "BrokenWrapper" and err.value.hook == "slime_post_process_rewards"
+
+
+def test_two_agent_plugins_are_a_startup_error():
+    class AgentA:
+        @hookimpl
+        async def slime_agent(self, config, sample, session):
+            return None
+
+    class AgentB(AgentA):
+        pass
+
+    hooks = load_plugins([], extra=[AgentA(), AgentB()])
+    with pytest.raises(PluginError, match="plugins 'AgentB', 'AgentA' all implement slime_agent"):
+        hooks.check(skip_required=["slime_compute_advantages", "slime_loss"])

@@ -70,7 +70,7 @@ def test_none_is_left_out_and_metrics_per_reward(plugin_files):
     assert [_score(hooks, config, s) for s in samples] == [pytest.approx(0.4), pytest.approx(1.2)]
     assert samples[0].metadata["rewards"] == {"length": pytest.approx(0.4)}
     metrics: dict = {}
-    hooks.log_rollout(config=config, rollout_id=0, samples=samples, metrics=metrics)
+    hooks.slime_log_rollout(config=config, rollout_id=0, samples=samples, metrics=metrics)
     assert metrics == {"rollout/reward/length": pytest.approx(0.3), "rollout/reward/mentions": 1.0}
 
 

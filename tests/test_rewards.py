@@ -28,6 +28,7 @@ from slimecore.rewards.math import answers_match, math_reward
 from slimecore.rewards.remote import RemoteRewardError, close_session
 from slimecore.rewards.sympy_judge import JUDGE, is_safe
 from slimecore.rollout.client import RolloutClient
+from slimecore.rollout.hook_args import SampleHooks
 from slimecore.rollout.manager import convert_samples
 from slimecore.types import Sample, Status
 from slimecore.testing import timeout as scaled
@@ -200,7 +201,7 @@ HOOKS = load_plugins([])
 
 
 def _reward(sample, **options):
-    return asyncio.run(HOOKS.reward(config=Config.make(**options), sample=sample))
+    return asyncio.run(HOOKS.slime_reward(config=Config.make(**options), sample=sample))
 
 
 def test_the_samples_rm_type_wins_and_boxed_cuts_the_response_first():
@@ -235,20 +236,20 @@ def test_bad_reward_types_say_what_to_do():
 ])
 def test_config_errors_at_start_up(options, message):
     with pytest.raises(ConfigError, match=message):
-        HOOKS.validate_config(config=Config.make(**options))
+        HOOKS.slime_validate_config(config=Config.make(**options))
 
 
 def test_valid_configs_pass_start_up():
     for options in (dict(), dict(rm_type="math"), dict(rm_type="boxed_f1"), dict(rm_type="dapo", reward_key="score"),
                     dict(rm_type="remote_rm", rm_url="http://127.0.0.1:1/score")):
-        HOOKS.validate_config(config=Config.make(**options))
+        HOOKS.slime_validate_config(config=Config.make(**options))
 
 
 def test_default_group_reward_scores_each_sample_by_its_type():
     samples = [Sample(response="\\boxed{2/4}", label="0.5", metadata={"rm_type": "math"}),
                Sample(response="Answer: 7", label="7", metadata={"rm_type": "dapo"}),
                Sample(response="cat", label="the cat", metadata={"rm_type": "f1"})]
-    rewards = asyncio.run(HOOKS.group_reward(config=Config.make(group_rm=True), samples=samples))
+    rewards = asyncio.run(HOOKS.slime_group_reward(config=Config.make(group_rm=True), samples=samples))
     assert rewards == [1.0, {"score": 1.0, "acc": True, "pred": "7"}, 1.0]
 
 
@@ -286,7 +287,7 @@ def _remote(script, sample, **options):
                                 "rm_retry_delay": 0.01, **options})
         start = time.monotonic()
         try:
-            return await HOOKS.reward(config=config, sample=sample), time.monotonic() - start
+            return await HOOKS.slime_reward(config=config, sample=sample), time.monotonic() - start
         except HookCallError as exc:
             return exc, time.monotonic() - start
         finally:
@@ -356,8 +357,8 @@ def _rollout(hooks, config, tokenizer, router):
 
     async def go():
         try:
-            return await hooks.rollout(config=config, rollout_id=0, data_source=source, client=client, hooks=hooks,
-                                       evaluation=False)
+            return await hooks.slime_rollout(config=config, rollout_id=0, data_source=source, client=client,
+                                             sample_hooks=SampleHooks(hooks), evaluation=False)
         finally:
             await client.close()
             await close_session()
@@ -381,7 +382,7 @@ def test_dapo_dict_reward_trains_on_the_reward_key(engines, tiny_checkpoint, pro
     _, router = engines
     config = _config(prompt_file, rm_type="dapo", reward_key="score")
     hooks = load_plugins([], extra=[WritesAnAnswer()])
-    hooks.validate_config(config=config)
+    hooks.slime_validate_config(config=config)
     out = _rollout(hooks, config, load_tokenizer(tiny_checkpoint), router)
     samples = [s for group in out.samples for s in group]
     assert len(samples) == 4 and out.metrics["rollout/reward_failures"] == 0

@@ -16,6 +16,7 @@ from slimecore.data.source import PromptDataSource, load_prompts
 from slimecore.hf_checkpoint import load_tokenizer
 from slimecore.plugins import load_plugins
 from slimecore.rollout.client import RolloutClient
+from slimecore.rollout.hook_args import SampleHooks, buffer_filter
 from slimecore.rollout.manager import convert_samples
 from slimecore.types import FilterResult, Status
 
@@ -31,8 +32,8 @@ def _run(hooks, config, source, router, rollout_id=0):
 
     async def go():
         try:
-            return await hooks.rollout(config=config, rollout_id=rollout_id, data_source=source, client=client,
-                                       hooks=hooks, evaluation=False)
+            return await hooks.slime_rollout(config=config, rollout_id=rollout_id, data_source=source, client=client,
+                                             sample_hooks=SampleHooks(hooks), evaluation=False)
         finally:
             await client.close()
 
@@ -203,13 +204,13 @@ def test_buffer_filter_hook_chooses_what_to_resume(tiny_checkpoint):
     config = _config()
     tokenizer = load_tokenizer(tiny_checkpoint)
     hooks = load_plugins([], extra=[NewestFirst()])
-    source = hooks.data_source(config=config, tokenizer=tokenizer, hooks=hooks)
+    source = hooks.slime_data_source(config=config, tokenizer=tokenizer, buffer_filter=buffer_filter(hooks, config))
     groups = source.get_samples(3)
     source.add_samples(groups)
     assert [g[0].group_index for g in source.get_samples(2)] == [1, 2]
     assert [g[0].group_index for g in source.buffer] == [0]
     default = load_plugins([])
-    plain = default.data_source(config=config, tokenizer=tokenizer, hooks=default)
+    plain = default.slime_data_source(config=config, tokenizer=tokenizer, buffer_filter=buffer_filter(default, config))
     plain.add_samples(plain.get_samples(3))
     assert [g[0].group_index for g in plain.get_samples(2)] == [0, 1]
 

@@ -16,6 +16,7 @@ from slimecore.config import Config, ConfigError
 from slimecore.defaults import slime_compat
 from slimecore.defaults.slime_compat import NAME, REFUSED, WIRED, make_args
 from slimecore.plugins import load_plugins
+from slimecore.rollout.hook_args import buffer_filter
 
 pytest.importorskip("slime_grpo", reason="the grpo plugin is installed by scripts/setup.sh")
 FUNCTIONS = Path(__file__).parent / "slime_format" / "my_slime_functions.py"
@@ -109,7 +110,7 @@ def test_rollout_function_data_source_advantages_and_eval(tiny_checkpoint, workd
 
 def _validate(**flags):
     config = Config.make(plugin_values={NAME: flags})
-    load_plugins([]).bind(config).validate_config(config=config)
+    load_plugins([]).bind(config).slime_validate_config(config=config)
 
 
 @pytest.mark.parametrize("flag", sorted(REFUSED))
@@ -167,7 +168,8 @@ def test_buffer_filter_picks_the_buffered_groups_the_data_source_serves(workdir,
                          plugin_values={NAME: {"buffer_filter_path": M + "newest_first", "slime_sys_path": [
                              str(workdir)], "custom_config_path": str(workdir / "custom.yaml")}})
     hooks = load_plugins([]).bind(config)
-    source = hooks.data_source(config=config, tokenizer=load_tokenizer(tiny_checkpoint), hooks=hooks)
+    source = hooks.slime_data_source(config=config, tokenizer=load_tokenizer(tiny_checkpoint),
+                                     buffer_filter=buffer_filter(hooks, config))
     first = source.get_samples(3)
     source.add_samples(first)  # three aborted groups back in the buffer
     again = source.get_samples(2)
@@ -187,7 +189,25 @@ def test_group_rm_calls_the_batched_form(workdir, monkeypatch):
     assert hooks.plugin_name(hooks.answerer("slime_group_reward")) == NAME and not hooks.is_default(
         hooks.answerer("slime_group_reward"))
     samples = [Sample(response="ab"), Sample(response="abcd")]
-    assert asyncio.run(hooks.group_reward(config=config, samples=samples)) == [2.0, 4.0]
+    assert asyncio.run(hooks.slime_group_reward(config=config, samples=samples)) == [2.0, 4.0]
+
+
+def test_custom_loss_passes_a_value_role_on_to_its_plugin(workdir):
+    """slime's custom loss is the policy's: for the critic the adapter answers None, so pluggy's firstresult calls
+    the algorithm plugin's loss (here a stand-in critic loss), while the actor gets the custom function."""
+    from slimecore import hookimpl
+
+    class ValueLoss:
+        @hookimpl
+        def slime_loss(self, config, role, batch, outputs, reducer):
+            return "the plugin's value loss", {}
+
+    config = Config.make(plugin_values={NAME: {"custom_loss_function_path": M + "custom_loss",
+                                               "slime_sys_path": [str(workdir)]}})
+    hooks = load_plugins([], extra=[ValueLoss()]).bind(config)
+    assert hooks.plugin_name(hooks.answerer("slime_loss")) == NAME
+    answer = hooks.slime_loss(config=config, role="critic", batch={}, outputs={}, reducer=None)
+    assert answer == ("the plugin's value loss", {})
 
 
 def test_args_have_slime_names_and_say_what_is_missing(tmp_path):

@@ -52,3 +52,22 @@ def test_tiny_engine_fixture_serves_sglangs_generate(tiny_engine):
         out = json.loads(response.read())
     assert len(out["output_ids"]) == 4 and len(out["meta_info"]["output_token_logprobs"]) == 4
     assert out["meta_info"]["finish_reason"]["type"] == "length"
+
+
+class RewardWrapper:
+    @hookimpl(wrapper=True)
+    def slime_reward(self, config, sample):
+        answer = yield
+        return answer
+
+
+class NotAGenerator:
+    @hookimpl(wrapper=True)
+    async def slime_reward(self, config, sample):
+        return 1.0
+
+
+def test_contract_accepts_wrappers_as_generators():
+    assert check_plugin_contract(RewardWrapper()) == ["slime_reward"]
+    with pytest.raises(ContractError, match="must be a generator"):
+        check_plugin_contract(NotAGenerator())

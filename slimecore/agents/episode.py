@@ -11,15 +11,18 @@ the rollout aborted gives an ABORTED sample, which goes back to the buffer like 
 from __future__ import annotations
 
 import asyncio
-import inspect
 import logging
 import threading
+from typing import TYPE_CHECKING
 
 from slimecore.agents.chat import tool_parser
 from slimecore.agents.server import PINNED_IN_TRAINING, SessionServer, served_model_name
 from slimecore.agents.session import AgentSession
-from slimecore.plugins import HookCallError, PluginError
+from slimecore.plugins import HookCallError
 from slimecore.types import Sample, Status
+
+if TYPE_CHECKING:
+    from slimecore.rollout.hook_args import AgentHook
 
 log = logging.getLogger("slimecore.agents")
 DEFAULT_AGENT_TIMEOUT = 600.0
@@ -49,12 +52,8 @@ def stop_session_server() -> None:
             _SERVER = None
 
 
-async def run_episode(config, sample: Sample, client, hooks, sampling_params: dict) -> list[Sample]:
-    """Play ``sample`` with the active ``slime_agent`` plugin; see the module docstring."""
-    agents = hooks.implementers("slime_agent")
-    if len(agents) > 1:
-        raise PluginError(f"plugins {[hooks.plugin_name(a) for a in agents]} all implement slime_agent; one agent "
-                          "plays each episode: activate only one of them")
+async def run_episode(config, sample: Sample, client, agent: AgentHook, sampling_params: dict) -> list[Sample]:
+    """Play ``sample`` with ``agent``, the run's ``slime_agent`` hook; see the module docstring."""
     server = session_server(config, client)
     if sample.response_length:
         sample.reset_response()  # an aborted episode starts again: a half-run agent cannot be resumed
@@ -63,12 +62,8 @@ async def run_episode(config, sample: Sample, client, hooks, sampling_params: di
     timeout = config.agent_timeout or DEFAULT_AGENT_TIMEOUT
     failure, reward = None, None
 
-    async def play():
-        answer = hooks.agent(config=config, sample=sample, session=session)
-        return await answer if inspect.isawaitable(answer) else answer
-
     try:
-        reward = await asyncio.wait_for(play(), timeout)
+        reward = await asyncio.wait_for(agent(config=config, sample=sample, session=session), timeout)
     except asyncio.TimeoutError:
         failure = f"the agent did not finish within --agent-timeout {timeout:g}s"
     except HookCallError as exc:

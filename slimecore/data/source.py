@@ -37,16 +37,6 @@ def pop_first(buffer: list[list[Sample]], num_groups: int) -> list[list[Sample]]
     return taken
 
 
-def hook_buffer_filter(config, hooks) -> BufferFilter:
-    """The buffer filter of a data source a plugin builds in ``slime_data_source``: it asks ``slime_buffer_filter``,
-    where the first plugin that answers chooses and the built-in default (``slimecore.defaults.data``) takes the
-    oldest groups (:func:`pop_first`)."""
-    def choose(buffer: list[list[Sample]], num_groups: int) -> list[list[Sample]]:
-        return hooks.buffer_filter(config=config, buffer=buffer, num_groups=num_groups)
-
-    return choose
-
-
 def load_prompts(config, tokenizer, spec: str | None, *, input_key: str | None = None, label_key: str | None = None,
                  eval_set: bool = False) -> tuple[list[dict], int]:
     """Prompt records from a file spec, ``task:NAME``, or (spec None) the configured ``--task``.

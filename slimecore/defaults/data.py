@@ -1,12 +1,12 @@
 """Built-in data-source plugin: ``--prompt-data`` files or a built-in ``--task``, and the default buffer filter."""
 
 from slimecore import hookimpl
-from slimecore.data.source import PromptDataSource, hook_buffer_filter, pop_first
+from slimecore.data.source import PromptDataSource, pop_first
 
 
 @hookimpl
-def slime_data_source(config, tokenizer, hooks):
-    return PromptDataSource.from_config(config, tokenizer, buffer_filter=hook_buffer_filter(config, hooks))
+def slime_data_source(config, tokenizer, buffer_filter):
+    return PromptDataSource.from_config(config, tokenizer, buffer_filter=buffer_filter)
 
 
 @hookimpl(trylast=True)

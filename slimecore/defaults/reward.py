@@ -135,7 +135,7 @@ async def combined_reward(hooks, config, sample) -> float | dict:
     sources = reward_sources(hooks, config)
     weights = reward_weights(config)
     if len(sources) == 1 and not weights:
-        return await hooks.reward(config=config, sample=sample)
+        return await hooks.slime_reward(config=config, sample=sample)
     answers = await asyncio.gather(*(hooks.call("slime_reward", impl, config=config, sample=sample)
                                      for _, impl in sources))
     parts: dict[str, float] = {}

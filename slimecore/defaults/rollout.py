@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import math
 
 from slimecore import hookimpl
 from slimecore.rollout.fully_async import fully_async_step, stop_workers
-from slimecore.rollout.groups import GroupRunner, concurrency, first_rejection, warn_if_starving
+from slimecore.rollout.groups import GroupRunner, concurrency, warn_if_starving
 from slimecore.types import FilterResult, RolloutOutput, Sample, Status
 
 DEFAULT_MAX_TURNS = 4
 
 
 @hookimpl
-async def slime_generate(config, sample: Sample, sampling_params: dict, client, hooks):
+async def slime_generate(config, sample: Sample, sampling_params: dict, client, observation, agent):
     """Single turn, token in / token out; continues a partial sample with the remaining budget.
 
     Multi-turn when a plugin implements ``slime_observation``: up to ``--max-turns`` model turns (default 4)
@@ -45,19 +44,18 @@ async def slime_generate(config, sample: Sample, sampling_params: dict, client, 
 
     With a ``slime_agent`` plugin active, each sample is one agent episode in a session
     (``slimecore.agents.episode.run_episode``), which may return several samples sharing one ``rollout_id``."""
-    if hooks.implementers("slime_agent"):
+    if agent is not None:
         from slimecore.agents.episode import run_episode
 
-        return await run_episode(config, sample, client, hooks, sampling_params)
-    if hooks.implementers("slime_observation"):
+        return await run_episode(config, sample, client, agent, sampling_params)
+    if observation is not None:
         from slimecore.rollout.turns import run_turns
 
         if sample.response_length:
             sample.reset_response()
 
         async def on_turn(text: str, turn: int):
-            answer = hooks.observation(config=config, sample=sample, text=text, turn=turn)
-            return await answer if inspect.isawaitable(answer) else answer
+            return await observation(config=config, sample=sample, text=text, turn=turn)
 
         budget = config.rollout_max_context_len - sample.prompt_length if config.rollout_max_context_len else None
         return await run_turns(sample, client, sampling_params, on_turn, max_turns=config.max_turns or
@@ -110,10 +108,11 @@ def _starved(rollout_id: int, rounds: int, accepted: int, target: int, by_filter
 
 
 @hookimpl
-async def slime_rollout(config, rollout_id: int, data_source, client, hooks, evaluation: bool):
+async def slime_rollout(config, rollout_id: int, data_source, client, sample_hooks, evaluation: bool):
     if config.fully_async and not evaluation:
-        return await fully_async_step(config, rollout_id, data_source, client, hooks)
-    runner = GroupRunner(config, client, hooks, rollout_id, evaluation, asyncio.Semaphore(concurrency(config)))
+        return await fully_async_step(config, rollout_id, data_source, client, sample_hooks)
+    runner = GroupRunner(config, client, sample_hooks, rollout_id, evaluation,
+                         asyncio.Semaphore(concurrency(config)))
     if evaluation:
         groups = await asyncio.gather(*(runner.run(g) for g in data_source.get_samples(len(data_source))))
         return RolloutOutput(list(groups), {"rollout/reward_failures": runner.reward_failures})
@@ -149,7 +148,7 @@ async def slime_rollout(config, rollout_id: int, data_source, client, hooks, eva
                 _recycle(config, data_source, group, rollout_id)
                 submitted_alive -= 1
                 continue
-            verdict, plugin = first_rejection(hooks, config, group)
+            verdict, plugin = sample_hooks.filter_group(config=config, samples=group)
             if verdict.keep or (verdict.keep_when_insufficient and submitted_alive <= target):
                 accepted.append(group)
             else:

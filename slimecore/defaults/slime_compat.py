@@ -300,37 +300,45 @@ def slime_buffer_filter(config, buffer, num_groups):
 _SEEN_GROUPS: list[list[Sample]] = []  # every group the group filter saw this step (--rollout-all-samples-...)
 
 
-def _fallback(hooks, hook: str):
-    """The implementation that would answer ``hook`` without this adapter (a plugin's, else the built-in)."""
-    own = sys.modules[__name__]
-    others = [impl for impl in hooks.implementers(hook) if impl.plugin is not own]
-    return next((impl for impl in others if not hooks.is_default(impl)), others[0] if others else None)
-
-
 @hookimpl
-@_when("rollout_function_path", "eval_function_path", "rollout_sample_filter_path",
-       "rollout_all_samples_process_path", "data_source_path")
-async def slime_rollout(config, rollout_id, data_source, client, hooks, evaluation):
-    args = make_args(config, client)
-    if isinstance(data_source, SlimeDataSource):
-        data_source.rollout_id = rollout_id
+@_when("rollout_function_path", "eval_function_path")
+def slime_rollout(config, rollout_id, data_source, client, evaluation):
+    """slime's rollout function for this call (the eval function, else the rollout function, in eval), or None to
+    pass the call on (only ``--eval-function-path`` given, in training) to the plugin's or built-in rollout. A plain
+    ``def`` so that it can pass: the answer, when there is one, is an awaitable."""
     path = _opt(config, "rollout_function_path")
     if evaluation:
         path = _opt(config, "eval_function_path") or path
-    _SEEN_GROUPS.clear()
-    if path:
-        from slime.rollout.base_types import call_rollout_fn
+    return _run_rollout_function(config, path, rollout_id, data_source, client, evaluation) if path else None
 
-        source = data_source.source if isinstance(data_source, SlimeDataSource) else data_source
-        # slime's rollout functions are synchronous and often run their own event loop: give them a thread
-        output = await asyncio.to_thread(call_rollout_fn, _function(config, "", path), args, rollout_id, source,
-                                         evaluation=evaluation)
-        out = _eval_output(output) if evaluation else RolloutOutput([_flatten(g) for g in output.samples],
-                                                                    dict(output.metrics or {}))
-    else:
-        out = await hooks.call("slime_rollout", _fallback(hooks, "slime_rollout"), config=config,
-                               rollout_id=rollout_id, data_source=data_source, client=client, hooks=hooks,
-                               evaluation=evaluation)
+
+async def _run_rollout_function(config, path: str, rollout_id, data_source, client, evaluation) -> RolloutOutput:
+    from slime.rollout.base_types import call_rollout_fn
+
+    source = data_source.source if isinstance(data_source, SlimeDataSource) else data_source
+    # slime's rollout functions are synchronous and often run their own event loop: give them a thread
+    output = await asyncio.to_thread(call_rollout_fn, _function(config, "", path), make_args(config, client),
+                                     rollout_id, source, evaluation=evaluation)
+    if evaluation:
+        return _eval_output(output)
+    return RolloutOutput([_flatten(g) for g in output.samples], dict(output.metrics or {}))
+
+
+@hookimpl(wrapper=True, specname="slime_rollout")
+@_when("rollout_sample_filter_path", "rollout_all_samples_process_path", "data_source_path")
+def wrap_slime_rollout(config, rollout_id, data_source, client, evaluation):
+    """Around whichever rollout answers: the data source learns the step (its ``save``), and the step's samples
+    go through ``--rollout-sample-filter-path`` and ``--rollout-all-samples-process-path`` once complete."""
+    if isinstance(data_source, SlimeDataSource):
+        data_source.rollout_id = rollout_id
+    rollout = yield
+    return _after_rollout(config, rollout, data_source, client, evaluation)
+
+
+async def _after_rollout(config, rollout, data_source, client, evaluation) -> RolloutOutput:
+    _SEEN_GROUPS.clear()
+    out = await rollout
+    args = make_args(config, client)
     if not evaluation and _opt(config, "rollout_sample_filter_path"):
         _function(config, "rollout_sample_filter_path")(args, out.samples)
     if not evaluation and _opt(config, "rollout_all_samples_process_path"):
@@ -479,18 +487,6 @@ def slime_rollout_data_postprocess(config, rollout_id, batch):
     _write_back(rollout_data, batch)
 
 
-_HOOKS: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-
-
-def _process_hooks(config):
-    """The run's plugins in this process, for hooks that get no ``hooks`` argument (loaded once per config)."""
-    if config not in _HOOKS:
-        from slimecore.plugins import load_for_config
-
-        _HOOKS[config] = load_for_config(config)
-    return _HOOKS[config]
-
-
 class ResponseLogits:
     """What a custom loss gets as ``logits``: the trainer computes only the response positions' log-probs and
     entropies (with gradient), so this carries those. ``slime.backends.megatron_utils.loss.
@@ -509,10 +505,8 @@ class ResponseLogits:
 @hookimpl
 @_when("custom_loss_function_path")
 def slime_loss(config, role, batch, outputs, reducer):
-    if role != "actor":  # slime's custom loss is the policy's; a value model keeps its plugin's loss
-        hooks = _process_hooks(config)
-        return hooks.call("slime_loss", _fallback(hooks, "slime_loss"), config=config, role=role, batch=batch,
-                          outputs=outputs, reducer=reducer)
+    if role != "actor":  # slime's custom loss is the policy's: None passes a value model's on to its plugin
+        return None
     lengths = list(batch["response_lengths"])
 
     def sum_of_sample_mean(x: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 
-from slimecore.rollout.groups import GroupRunner, concurrency, first_rejection, warn_if_starving
+from slimecore.rollout.groups import GroupRunner, concurrency, warn_if_starving
 from slimecore.types import RolloutOutput, Sample, Status
 
 
@@ -29,8 +29,8 @@ class BackgroundRollout:
     every group still held here put back into the buffer (responses cleared), so a checkpoint loses none.
     """
 
-    def __init__(self, config, data_source, client, hooks):
-        self.config, self.data_source, self.client, self.hooks = config, data_source, client, hooks
+    def __init__(self, config, data_source, client, sample_hooks):
+        self.config, self.data_source, self.client, self.sample_hooks = config, data_source, client, sample_hooks
         self.capacity = config.fully_async_groups or config.rollout_batch_size
         self.lock = threading.Lock()
         self.finished: queue.Queue = queue.Queue()
@@ -57,7 +57,7 @@ class BackgroundRollout:
             loop.close()
 
     async def _produce(self) -> None:
-        runner = GroupRunner(self.config, self.client, self.hooks, self.rollout_id, False,
+        runner = GroupRunner(self.config, self.client, self.sample_hooks, self.rollout_id, False,
                              asyncio.Semaphore(concurrency(self.config)))
         tasks: dict[asyncio.Task, list[Sample]] = {}
         while not self._stop.is_set():
@@ -77,7 +77,7 @@ class BackgroundRollout:
                 if any(s.status == Status.ABORTED for s in group):
                     self.give_back(group, keep_partial=self.config.partial_rollout)
                     continue
-                verdict, _ = first_rejection(self.hooks, self.config, group)
+                verdict, _ = self.sample_hooks.filter_group(config=self.config, samples=group)
                 if verdict.keep:
                     self.finished.put(group)
                 else:
@@ -133,13 +133,13 @@ class BackgroundRollout:
 _WORKERS: dict[int, BackgroundRollout] = {}  # by id(data source): one worker each, across steps
 
 
-async def fully_async_step(config, rollout_id: int, data_source, client, hooks) -> RolloutOutput:
+async def fully_async_step(config, rollout_id: int, data_source, client, sample_hooks) -> RolloutOutput:
     """One step from the background worker: the first ``--rollout-batch-size`` finished groups whose
     samples the trainer will see at most ``--max-staleness`` versions old; older groups go back to the
     buffer and are generated again (``rollout/stale_groups_regenerated``)."""
     worker = _WORKERS.get(id(data_source))
     if worker is None:
-        worker = _WORKERS[id(data_source)] = BackgroundRollout(config, data_source, client, hooks)
+        worker = _WORKERS[id(data_source)] = BackgroundRollout(config, data_source, client, sample_hooks)
     worker.rollout_id = rollout_id
     # the async loop trains this step after one more update than the engines serve now
     train_version = client.policy_version + 1

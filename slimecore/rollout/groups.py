@@ -1,4 +1,4 @@
-"""One prompt group through generate -> sample hooks -> reward, and the group filters' verdict: the parts the
+"""One prompt group through generate -> sample hooks -> reward: the parts the
 built-in rollout (``slimecore.defaults.rollout``) and the fully-async worker (``slimecore.rollout.fully_async``)
 both run.
 
@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import inspect
 import logging
 import math
 import time
 
-from slimecore.defaults.reward import combined_reward
 from slimecore.plugins import HookCallError, PluginError
-from slimecore.types import FilterResult, Sample, Status
+from slimecore.types import Sample, Status
 
 log = logging.getLogger("slimecore.rollout")
 FAILURES_LOGGED = 3  # reward failures logged with their traceback per rollout process
@@ -53,8 +51,8 @@ def concurrency(config) -> int:
 class GroupRunner:
     """Runs generate -> sample hooks -> reward for one prompt group, with the global concurrency cap."""
 
-    def __init__(self, config, client, hooks, rollout_id: int, evaluation: bool, semaphore: asyncio.Semaphore):
-        self.config, self.client, self.hooks = config, client, hooks
+    def __init__(self, config, client, sample_hooks, rollout_id: int, evaluation: bool, semaphore: asyncio.Semaphore):
+        self.config, self.client, self.sample_hooks = config, client, sample_hooks
         self.rollout_id, self.evaluation, self.semaphore = rollout_id, evaluation, semaphore
         self.params = sampling_params(config, evaluation)
         self.reward_failures = 0
@@ -64,15 +62,13 @@ class GroupRunner:
         results = await asyncio.gather(*(self._generate(s) for s in group))
         samples = [s for r in results for s in (r if isinstance(r, list) else [r])]
         for sample in samples:
-            for answer in self.hooks.process_sample(config=self.config, sample=sample, rollout_id=self.rollout_id,
-                                                    evaluation=self.evaluation):
-                if inspect.isawaitable(answer):  # an async implementation (slime's sample hooks may be async)
-                    await answer
+            await self.sample_hooks.process_sample(config=self.config, sample=sample, rollout_id=self.rollout_id,
+                                                   evaluation=self.evaluation)
         if any(s.status == Status.ABORTED for s in samples):
             return samples  # goes back to the buffer; scored when it completes
-        if self._group_rm():
+        if self.sample_hooks.scores_groups(self.config, self.evaluation):
             try:
-                rewards = await self._bounded_reward("slime_group_reward", self.hooks.group_reward(
+                rewards = await self._bounded_reward("slime_group_reward", self.sample_hooks.group_reward(
                     config=self.config, samples=samples))
             except HookCallError as exc:  # the whole group is unscored: mark each sample, as for slime_reward
                 for sample in samples:
@@ -85,25 +81,17 @@ class GroupRunner:
             await asyncio.gather(*(self._reward(s) for s in samples if s.reward is None))
         return samples
 
-    def _group_rm(self) -> bool:
-        """``--group-rm`` scores whole groups, except where a plugin's own per-sample reward would be bypassed
-        by the built-in group scorer, which only knows the built-in reward types."""
-        if not self.config.group_rm or self.evaluation:
-            return False
-        group, single = self.hooks.answerer("slime_group_reward"), self.hooks.answerer("slime_reward")
-        return not (self.hooks.is_default(group) and not self.hooks.is_default(single))
-
     async def _generate(self, sample: Sample):
         if sample.status in (Status.COMPLETED, Status.TRUNCATED):
             return sample  # finished before its group was aborted; resumed groups only continue the rest
         async with self.semaphore:
             start = time.perf_counter()
-            call = self.hooks.generate(config=self.config, sample=sample, sampling_params=self.params,
-                                       client=self.client, evaluation=self.evaluation, hooks=self.hooks)
+            call = self.sample_hooks.generate(config=self.config, sample=sample, sampling_params=self.params,
+                                              client=self.client, evaluation=self.evaluation)
             try:
                 out = await asyncio.wait_for(call, self.config.generate_timeout)
             except asyncio.TimeoutError:
-                plugin = self.hooks.plugin_name(self.hooks.answerer("slime_generate"))
+                plugin = self.sample_hooks.answering("slime_generate")
                 raise PluginError(f"plugin {plugin!r}: slime_generate did not return within --generate-timeout "
                                   f"{self.config.generate_timeout:g}s for sample {sample.index}; fix the hook (is "
                                   "it waiting on something that never answers?) or raise the timeout") from None
@@ -114,7 +102,8 @@ class GroupRunner:
     async def _reward(self, sample: Sample) -> None:
         start = time.perf_counter()
         try:
-            reward = await self._bounded_reward("slime_reward", combined_reward(self.hooks, self.config, sample))
+            reward = await self._bounded_reward("slime_reward",
+                                                self.sample_hooks.reward(config=self.config, sample=sample))
         except HookCallError as exc:
             self._fail(sample, str(exc), exc.cause_traceback)
             return
@@ -134,7 +123,7 @@ class GroupRunner:
         try:
             return await asyncio.wait_for(call, self.config.reward_timeout)
         except asyncio.TimeoutError:
-            plugin = self.hooks.plugin_name(self.hooks.answerer(hook))
+            plugin = self.sample_hooks.answering(hook)
             raise HookCallError(plugin, hook, TimeoutError(
                 f"no answer within --reward-timeout {self.config.reward_timeout:g}s")) from None
 
@@ -145,15 +134,6 @@ class GroupRunner:
                         self.reward_failures, why, f"\n{trace}" if trace else "")
         sample.status, sample.reward, sample.remove_sample = Status.FAILED, 0.0, True
         sample.metadata["reward_error"] = why
-
-
-def first_rejection(hooks, config, group: list[Sample]) -> tuple[FilterResult, str | None]:
-    """The first rejecting verdict of the group filters, with the plugin that gave it (None: all keep)."""
-    for plugin, answer in hooks.answers("slime_filter_group", config=config, samples=group):
-        result = answer if isinstance(answer, FilterResult) else FilterResult(bool(answer))
-        if not result.keep:
-            return result, plugin
-    return FilterResult(True), None
 
 
 

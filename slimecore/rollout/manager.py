@@ -21,8 +21,9 @@ from slimecore.config import Config
 from slimecore.errors import check_reward_failures
 from slimecore.plugins import load_for_config
 from slimecore.raytools import ray_get
+from slimecore.rollout.hook_args import SampleHooks, buffer_filter
 from slimecore.runs import write_samples
-from slimecore.types import Sample, Status
+from slimecore.types import RolloutColumns, Sample, Status
 
 log = logging.getLogger("slimecore.rollout")
 
@@ -34,11 +35,13 @@ class RolloutManager:
         torch.set_num_threads(1)
         self.config = config = Config.from_dict(config_dict)
         self.hooks = load_for_config(config)
-        self.hooks.startup(config=config, process="rollout")
+        self.hooks.slime_startup(config=config, process="rollout")
         from slimecore.hf_checkpoint import load_tokenizer
 
         self.tokenizer = load_tokenizer(config.hf_checkpoint)
-        self.data_source = self.hooks.data_source(config=config, tokenizer=self.tokenizer, hooks=self.hooks)
+        self.data_source = self.hooks.slime_data_source(config=config, tokenizer=self.tokenizer,
+                                                        buffer_filter=buffer_filter(self.hooks, config))
+        self.sample_hooks = SampleHooks(self.hooks)
         self.loop = asyncio.new_event_loop()
         self.fleet, self.router, self.client = None, None, None
         self._states: dict[int, dict] = {}  # data-source state after each generated step (for checkpoints)
@@ -127,8 +130,9 @@ class RolloutManager:
             samples, metrics = self._load_debug(rollout_id), {}
         else:
             out = self.loop.run_until_complete(asyncio.wait_for(
-                self.hooks.rollout(config=c, rollout_id=rollout_id, data_source=self.data_source, client=self.client,
-                                   hooks=self.hooks, evaluation=False), timeout=c.rollout_timeout))
+                self.hooks.slime_rollout(config=c, rollout_id=rollout_id, data_source=self.data_source,
+                                         client=self.client, sample_hooks=self.sample_hooks, evaluation=False),
+                timeout=c.rollout_timeout))
             samples, metrics = [s for group in out.samples for s in group], dict(out.metrics)
         self._states[rollout_id] = (out.data_state if not c.load_debug_rollout_data and out.data_state is not None
                                     else self.data_source.state_dict())
@@ -140,7 +144,7 @@ class RolloutManager:
         metrics.update({"timeline/rollout_start": wall_start, "timeline/rollout_end": time.time()})
         if c.save_debug_rollout_data:
             self._save_debug(rollout_id, samples)
-        self.hooks.log_rollout(config=c, rollout_id=rollout_id, samples=samples, metrics=metrics)
+        self.hooks.slime_log_rollout(config=c, rollout_id=rollout_id, samples=samples, metrics=metrics)
         write_samples(c, rollout_id, samples)  # samples.jsonl in the run folder (--log-samples)
         if c.debug_rollout_only:
             return None, metrics
@@ -176,9 +180,9 @@ class RolloutManager:
                         record["metadata"] = {**(record.get("metadata") or {}), "rm_type": dataset.rm_type}
                 self._eval_sources[dataset.name] = source
             source = self._eval_sources[dataset.name]
-            out = self.loop.run_until_complete(self.hooks.rollout(
-                config=config, rollout_id=rollout_id, data_source=source, client=self.client, hooks=self.hooks,
-                evaluation=True))
+            out = self.loop.run_until_complete(self.hooks.slime_rollout(
+                config=config, rollout_id=rollout_id, data_source=source, client=self.client,
+                sample_hooks=self.sample_hooks, evaluation=True))
             metrics.update(eval_metrics(dataset.name, out.samples, config.reward_key))
         return metrics
 
@@ -209,7 +213,7 @@ class RolloutManager:
         return [Sample.from_dict(d) for d in torch.load(path, weights_only=False)["samples"]]
 
     def shutdown(self) -> None:
-        self.hooks.shutdown(config=self.config, process="rollout")
+        self.hooks.slime_shutdown(config=self.config, process="rollout")
         if self.client:
             self.loop.run_until_complete(self.client.close())
         if self.fleet:
@@ -233,11 +237,11 @@ def engine_hosts(config: Config, placement_group) -> tuple[str, str, str | None]
     return engine_bind, router_bind, None if router_bind in ("127.0.0.1", "localhost") else secrets.token_urlsafe(32)
 
 
-def convert_samples(hooks, config: Config, samples: list[Sample]) -> dict:
+def convert_samples(hooks, config: Config, samples: list[Sample]) -> RolloutColumns:
     """Samples -> training columns (slime's ``_convert_samples_to_train_data``)."""
     for sample in samples:
         sample.check_aligned()
-    raw_rewards, rewards = hooks.post_process_rewards(config=config, samples=samples)
+    raw_rewards, rewards = hooks.slime_post_process_rewards(config=config, samples=samples)
     next_id = max([s.rollout_id for s in samples if s.rollout_id is not None], default=-1) + 1
     rollout_ids = []
     for sample in samples:  # a sample without rollout_id is its own rollout
@@ -246,7 +250,7 @@ def convert_samples(hooks, config: Config, samples: list[Sample]) -> dict:
             next_id += 1
         else:
             rollout_ids.append(sample.rollout_id)
-    data = {
+    data: RolloutColumns = {
         "tokens": [list(s.tokens) for s in samples],
         "response_lengths": [s.response_length for s in samples],
         "loss_masks": [[0] * s.response_length if s.remove_sample else

@@ -27,7 +27,9 @@ def check_plugin_contract(plugin: Any) -> list[str]:
     impls = hookimpls(plugin)
     if not impls:
         raise ContractError(f"{plugin!r} has no @slimecore.hookimpl functions")
-    for name, fn in impls.items():
+    for attr, fn in impls.items():
+        opts = fn.slimecore_impl
+        name = opts.get("specname") or attr
         if name not in SPECS:
             raise ContractError(f"{name} is not a slime-core hook (see `slime-core hooks`)")
         spec = SPECS[name]
@@ -35,7 +37,10 @@ def check_plugin_contract(plugin: Any) -> list[str]:
         extra = set(params) - set(inspect.signature(spec).parameters)
         if extra:
             raise ContractError(f"{name} asks for {sorted(extra)}, which the spec does not pass")
-        if inspect.iscoroutinefunction(fn) != spec.slime_async:
+        if opts.get("wrapper") or opts.get("hookwrapper"):
+            if not inspect.isgeneratorfunction(fn):
+                raise ContractError(f"{attr} wraps {name}, so it must be a generator (`yield` to get the answer)")
+        elif inspect.iscoroutinefunction(fn) != spec.slime_async:
             want = "async def" if spec.slime_async else "def"
             raise ContractError(f"{name} must be declared with `{want}`")
         if name == "slime_options":

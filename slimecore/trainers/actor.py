@@ -46,7 +46,7 @@ class TrainActor:
                                     world_size=world_size, timeout=datetime.timedelta(seconds=config.ray_timeout))
         torch.manual_seed(config.seed + rank)
         self.hooks = load_for_config(config)
-        self.hooks.startup(config=config, process="train")
+        self.hooks.slime_startup(config=config, process="train")
         if config.train_backend == "fsdp":
             from slimecore.trainers.fsdp import FSDPTrainer
 
@@ -160,7 +160,7 @@ class TrainActor:
     def shutdown(self) -> None:
         if getattr(self, "_sender", None) is not None:
             self._sender.close()
-        self.hooks.shutdown(config=self.config, process="train")
+        self.hooks.slime_shutdown(config=self.config, process="train")
 
 
 def train_timeout(config: Config) -> float:

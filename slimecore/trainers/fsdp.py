@@ -176,7 +176,8 @@ class FSDPTrainer:
             self._shard()
         # Taken before any load(), so the reference is the initial checkpoint; each rank keeps its own shards.
         self._ref_params: dict[str, torch.Tensor] | None = None
-        if not self.is_value and not config.use_lora and "ref_log_probs" in set(hooks.train_inputs(config=config, role=role)):
+        if (not self.is_value and not config.use_lora
+                and "ref_log_probs" in hooks.slime_train_inputs(config=config, role=role)):
             self._ref_params = {name: _local(p).detach().to("cpu", copy=True)
                                 for name, p in self.model.named_parameters()}
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -326,7 +327,7 @@ class FSDPTrainer:
         ``returns`` (from the actor) for the critic, which then skips the advantage hook.
         Returns ``train/*`` metrics (summed over ranks, mean over steps)."""
         config, role = self.config, self.role
-        inputs = set(self.hooks.train_inputs(config=config, role=role))
+        inputs = set(self.hooks.slime_train_inputs(config=config, role=role))
         if self.is_value:  # the old values of the clipped value loss: those just sent to the actor, if any
             old, self._old_values = getattr(self, "_old_values", None), None
             data = {**data, **(old if old is not None else self.compute_values(data))}
@@ -361,8 +362,8 @@ class FSDPTrainer:
             metrics["train/train_rollout_logprob_abs_diff"] = self._logprob_abs_diff(batch, data["steps"][0])
 
         if batch.get("returns") is None:
-            batch.update(self.hooks.compute_advantages(config=config, role=role, batch=batch))
-        self.hooks.rollout_data_postprocess(config=config, rollout_id=rollout_id, batch=batch)
+            batch.update(self.hooks.slime_compute_advantages(config=config, role=role, batch=batch))
+        self.hooks.slime_rollout_data_postprocess(config=config, rollout_id=rollout_id, batch=batch)
         self.outputs = {"returns": [r.detach().float().cpu() for r in batch["returns"]]}
 
         self.model.train()
@@ -428,8 +429,8 @@ class FSDPTrainer:
             log_probs, entropy = self._forward(mb_batch["tokens"], mb_batch["response_lengths"],
                                                config.rollout_temperature, with_entropy=not self.is_value)
             outputs = {"values": log_probs} if self.is_value else {"log_probs": log_probs, "entropy": entropy}
-            loss, mb_metrics = self.hooks.loss(config=config, role=self.role, batch=mb_batch, outputs=outputs,
-                                               reducer=self._reducer(mb_batch, step))
+            loss, mb_metrics = self.hooks.slime_loss(config=config, role=self.role, batch=mb_batch, outputs=outputs,
+                                                     reducer=self._reducer(mb_batch, step))
             loss.backward()
             if measure_mismatch:
                 reducer = self._reducer(mb_batch, step)

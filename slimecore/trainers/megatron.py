@@ -123,14 +123,14 @@ def check_startup(config, hooks) -> None:
     from transformers import AutoConfig
 
     check_config(config, config.actor_num_nodes * config.actor_num_gpus_per_node)
-    if any("critic" in (roles or ()) for roles in hooks.train_roles(config=config)):
+    if any("critic" in (roles or ()) for roles in hooks.slime_train_roles(config=config)):
         raise MegatronSetupError("a plugin asks for a critic (slime_train_roles); value models run on the fsdp "
                                  "backend only for now: use --train-backend fsdp")
     find_bridge(config, hooks, AutoConfig.from_pretrained(config.hf_checkpoint))
 
 
 def find_bridge(config, hooks, hf_config):
-    bridge = hooks.model_bridge(config=config, hf_config=hf_config)
+    bridge = hooks.slime_model_bridge(config=config, hf_config=hf_config)
     architectures = getattr(hf_config, "architectures", None)
     if bridge is None:
         raise MegatronSetupError(
@@ -342,7 +342,7 @@ class MegatronTrainer(FSDPTrainer):
         # collective weight export: every TP/PP/EP rank must take part
         self.sharded = parallel_state.get_model_parallel_group().size() > 1 or config.expert_model_parallel_size > 1
         self._ref_params: dict[str, torch.Tensor] | None = None
-        if "ref_log_probs" in set(hooks.train_inputs(config=config, role=role)):
+        if "ref_log_probs" in set(hooks.slime_train_inputs(config=config, role=role)):
             self._ref_params = {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
         passed = {"optimizer": "adam", **megatron_overrides(config, "optimizer")}  # e.g. --optimizer sgd
         optimizer_config = OptimizerConfig(
@@ -452,8 +452,8 @@ class MegatronTrainer(FSDPTrainer):
             mb_batch = self._micro_batch(batch, mb)
             log_probs, entropy = self._response_outputs(logits, packed, config.rollout_temperature, True)
             reducer = self._reducer(mb_batch, step)
-            loss, metrics = self.hooks.loss(config=config, role=self.role, batch=mb_batch,
-                                            outputs={"log_probs": log_probs, "entropy": entropy}, reducer=reducer)
+            loss, metrics = self.hooks.slime_loss(config=config, role=self.role, batch=mb_batch,
+                                                  outputs={"log_probs": log_probs, "entropy": entropy}, reducer=reducer)
             info = {k: float(v) for k, v in {"loss": loss.detach(), **metrics}.items()}
             if measure_mismatch:
                 diffs = [(lp.detach() - roll).abs() for lp, roll in zip(log_probs, mb_batch["rollout_log_probs"])]

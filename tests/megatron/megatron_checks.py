@@ -55,7 +55,7 @@ def grpo_config(checkpoint: str, **core):
     from slimecore.config import Config
     from slimecore.plugins import load_plugins
 
-    defaults = {o.name: o.default for o in load_plugins(["grpo"]).declared_options()["grpo"]}
+    defaults = {o.name: o.default for o in load_plugins(["grpo"]).slime_options()["grpo"]}
     grpo = defaults | {"use_kl_loss": True, "kl_loss_coef": 0.1, "kl_loss_type": "k3", "entropy_coef": 0.01,
                        "eps_clip_high": 0.28}
     data_rollouts = len(set(synthetic_batch()["rollout_ids"]))

@@ -31,20 +31,20 @@ def test_plugin_is_discovered_and_validates_flags():
     assert "grpo" in installed_entry_points()
     hooks = load_plugins(["grpo"])
     hooks.check()
-    values = {o.name: o.default for o in hooks.declared_options()["grpo"]}
+    values = {o.name: o.default for o in hooks.slime_options()["grpo"]}
     with pytest.raises(ConfigError, match="--kl-coef and --kl-loss-coef"):
-        hooks.validate_config(config=Config.make(plugins=["grpo"], plugin_values={"grpo": values | {
+        hooks.slime_validate_config(config=Config.make(plugins=["grpo"], plugin_values={"grpo": values | {
             "kl_coef": 0.1, "kl_loss_coef": 0.1, "use_kl_loss": True}}))
     with pytest.raises(ConfigError, match="--eps-clip-c must be > 1"):
-        hooks.validate_config(config=Config.make(plugin_values={"grpo": values | {"eps_clip_c": 0.5}}))
+        hooks.slime_validate_config(config=Config.make(plugin_values={"grpo": values | {"eps_clip_c": 0.5}}))
 
 
 def test_post_process_rewards_groups_by_group_index():
     hooks = load_plugins(["grpo"])
-    values = {o.name: o.default for o in hooks.declared_options()["grpo"]}
+    values = {o.name: o.default for o in hooks.slime_options()["grpo"]}
     config = Config.make(plugin_values={"grpo": values}, n_samples_per_prompt=2, rollout_batch_size=2)
     samples = [Sample(group_index=g, reward=r) for g, r in [(0, 1.0), (1, 1.0), (0, 0.0), (1, 1.0)]]
-    raw, rewards = hooks.post_process_rewards(config=config, samples=samples)
+    raw, rewards = hooks.slime_post_process_rewards(config=config, samples=samples)
     assert raw == [1.0, 1.0, 0.0, 1.0]
     assert rewards[1] == rewards[3] == 0.0 and rewards[0] == pytest.approx(-rewards[2]) and rewards[0] > 0.7
 
@@ -53,11 +53,11 @@ def test_failed_samples_leave_the_group_statistics():
     # rewards [1, 1, 0.5] plus one FAILED sample (reward 0, not trained): the 0.5 sample's advantage is what the
     # three scored samples alone give, -(1/3) / unbiased std 0.2887 = -1.155 (counting the failure gave -0.261)
     hooks = load_plugins(["grpo"])
-    values = {o.name: o.default for o in hooks.declared_options()["grpo"]}
+    values = {o.name: o.default for o in hooks.slime_options()["grpo"]}
     config = Config.make(plugin_values={"grpo": values}, n_samples_per_prompt=4, rollout_batch_size=1)
     samples = [Sample(group_index=0, reward=r) for r in (1.0, 1.0, 0.5, 0.0)]
     samples[3].status = Sample.Status.FAILED
-    _, rewards = hooks.post_process_rewards(config=config, samples=samples)
+    _, rewards = hooks.slime_post_process_rewards(config=config, samples=samples)
     assert rewards[2] == pytest.approx(-1.1547, abs=1e-4) and rewards[3] == 0.0
     assert rewards[0] == rewards[1] == pytest.approx(0.5774, abs=1e-4)
 
@@ -68,15 +68,15 @@ def test_dapo_overlong_penalty_and_flag_checks():
     assert [overlong_penalty(n, 16, 4, 1.0) for n in (10, 12, 13, 16)] == [0.0, 0.0, -0.25, -1.0]
     assert overlong_penalty(14, 16, 4, 0.5) == -0.25
     hooks = load_plugins(["grpo"])
-    values = {o.name: o.default for o in hooks.declared_options()["grpo"]}
+    values = {o.name: o.default for o in hooks.slime_options()["grpo"]}
     config = Config.make(plugin_values={"grpo": values | {"overlong_buffer_len": 4, "disable_rewards_normalization": True}},
                          rollout_max_response_len=16, n_samples_per_prompt=2, rollout_batch_size=1)
     samples = [Sample(group_index=0, reward=1.0, response_length=16), Sample(group_index=0, reward=1.0, response_length=8)]
-    raw, rewards = hooks.post_process_rewards(config=config, samples=samples)
+    raw, rewards = hooks.slime_post_process_rewards(config=config, samples=samples)
     assert raw == [1.0, 1.0] and rewards == [0.0, 1.0]  # the logged raw reward keeps the task's score
     for bad, match in (({"overlong_buffer_len": 16}, "smaller than --rollout-max-response-len"),
                        ({"use_tis": True, "use_rollout_logprobs": True}, "mutually exclusive"),
                        ({"tis_clip_low": 3.0}, "--tis-clip-low < --tis-clip")):
         with pytest.raises(ConfigError, match=match):
-            hooks.validate_config(config=Config.make(plugins=["grpo"], plugin_values={"grpo": values | bad},
+            hooks.slime_validate_config(config=Config.make(plugins=["grpo"], plugin_values={"grpo": values | bad},
                                                      rollout_max_response_len=16))

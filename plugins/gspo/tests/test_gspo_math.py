@@ -12,7 +12,7 @@ from slimecore.types import Sample
 
 
 def _config(name, **values):
-    defaults = {o.name: o.default for o in load_plugins([name]).declared_options()[name]}
+    defaults = {o.name: o.default for o in load_plugins([name]).slime_options()[name]}
     return Config.make(plugins=[name], plugin_values={name: defaults | values}, rollout_batch_size=1,
                        n_samples_per_prompt=2)
 
@@ -21,8 +21,8 @@ def _loss(name, batch, new, config=None):
     """One micro-batch holding every sample of a one-rollout-per-sample step (D_i = mask sum, B = #samples)."""
     masks = batch["loss_masks"]
     reducer = make_sample_mean_reducer(masks, [float(m.sum()) for m in masks], len(masks))
-    return load_plugins([name]).loss(config=config or _config(name), role="actor", batch=batch,
-                                     outputs={"log_probs": new, "entropy": []}, reducer=reducer)
+    return load_plugins([name]).slime_loss(config=config or _config(name), role="actor", batch=batch,
+                                           outputs={"log_probs": new, "entropy": []}, reducer=reducer)
 
 
 def _two_samples():
@@ -94,20 +94,20 @@ def test_discovered_and_stands_alone():
     assert "gspo" in installed_entry_points()
     hooks = load_plugins(["gspo"])
     hooks.check()
-    grpo_options = load_plugins(["grpo"]).declared_options()["grpo"]
-    assert hooks.declared_options()["gspo"] == grpo_options
+    grpo_options = load_plugins(["grpo"]).slime_options()["grpo"]
+    assert hooks.slime_options()["gspo"] == grpo_options
     for hook in ("slime_loss", "slime_compute_advantages", "slime_post_process_rewards"):
         assert hooks.plugin_name(hooks.answerer(hook)) == "gspo"
-    declared = hooks.declared_options()
+    declared = hooks.slime_options()
     config = parse_config(["--prompt-data", "x.jsonl", "--rollout-batch-size", "1", "--n-samples-per-prompt", "2",
                            "--eps-clip", "0.1", "--use-kl-loss", "--disable-rewards-normalization"], ["gspo"], declared)
     assert config.plugin("gspo").eps_clip == 0.1
-    assert "ref_log_probs" in hooks.train_inputs(config=config, role="actor")
+    assert "ref_log_probs" in hooks.slime_train_inputs(config=config, role="actor")
     samples = [Sample(group_index=0, reward=r) for r in (1.0, 0.0)]
-    raw, rewards = hooks.post_process_rewards(config=config, samples=samples)
+    raw, rewards = hooks.slime_post_process_rewards(config=config, samples=samples)
     assert raw == rewards == [1.0, 0.0]
-    out = hooks.compute_advantages(config=config, role="actor",
-                                   batch={"rewards": [0.5], "response_lengths": [2], "loss_masks": [torch.ones(2)]})
+    batch = {"rewards": [0.5], "response_lengths": [2], "loss_masks": [torch.ones(2)]}
+    out = hooks.slime_compute_advantages(config=config, role="actor", batch=batch)
     assert out["advantages"][0].tolist() == out["returns"][0].tolist() == [0.5, 0.5]
     with pytest.raises(ConfigError, match="--eps-clip-c must be > 1"):
-        hooks.validate_config(config=_config("gspo", eps_clip_c=0.5))
+        hooks.slime_validate_config(config=_config("gspo", eps_clip_c=0.5))

@@ -64,7 +64,7 @@ def test_tiny_qwen2_through_the_hook():
     tiny = Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                        num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True,
                        architectures=["Qwen2ForCausalLM"])
-    bridge = hooks.model_bridge(config=Config.make(), hf_config=tiny)
+    bridge = hooks.slime_model_bridge(config=Config.make(), hf_config=tiny)
     assert (bridge.num_layers, bridge.hidden_size, bridge.ffn_hidden_size, bridge.vocab_size) == (2, 64, 96, 128)
     assert (bridge.num_query_groups, bridge.kv_channels) == (2, 16)  # head dim = 64 / 4
     assert bridge.add_qkv_bias and not bridge.qk_layernorm and not bridge.untie_embeddings_and_output_weights
@@ -93,7 +93,7 @@ def test_unknown_or_missing_architecture_is_none():
     hooks = load_plugins(["models"])
     for hf in (types.SimpleNamespace(architectures=["GPT2LMHeadModel"]), types.SimpleNamespace(architectures=None),
                types.SimpleNamespace()):
-        assert hooks.model_bridge(config=Config.make(), hf_config=hf) is None
+        assert hooks.slime_model_bridge(config=Config.make(), hf_config=hf) is None
 
 
 def test_discovered_by_entry_point():

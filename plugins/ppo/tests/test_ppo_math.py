@@ -68,7 +68,7 @@ def test_clipped_value_loss_has_no_half_factor():
 
 
 def _config(**values):
-    defaults = {o.name: o.default for o in load_plugins(["ppo"]).declared_options()["ppo"]}
+    defaults = {o.name: o.default for o in load_plugins(["ppo"]).slime_options()["ppo"]}
     return Config.make(plugins=["ppo"], plugin_values={"ppo": defaults | values}, rollout_batch_size=2,
                        global_batch_size=2)
 
@@ -76,38 +76,38 @@ def _config(**values):
 def test_discovered_options_and_validation():
     assert "ppo" in installed_entry_points()
     hooks = load_plugins(["ppo"])
-    defaults = {o.name: o.default for o in hooks.declared_options()["ppo"]}
+    defaults = {o.name: o.default for o in hooks.slime_options()["ppo"]}
     assert {k: defaults[k] for k in ("advantage_estimator", "gamma", "lambd", "value_clip", "kl_coef",
                                      "normalize_advantages", "eps_clip")} == {
         "advantage_estimator": "ppo", "gamma": 1.0, "lambd": 1.0, "value_clip": 0.2, "kl_coef": 0.0,
         "normalize_advantages": False, "eps_clip": 0.2}
     for estimator in ("reinforce_plus_plus", "reinforce_plus_plus_baseline"):
         with pytest.raises(ConfigError, match="--normalize-advantages"):
-            hooks.validate_config(config=_config(advantage_estimator=estimator))
-        hooks.validate_config(config=_config(advantage_estimator=estimator, normalize_advantages=True))
-    hooks.validate_config(config=_config())
-    hooks.validate_config(config=_config(kl_coef=0.1))  # KL in reward is what the PPO family uses
+            hooks.slime_validate_config(config=_config(advantage_estimator=estimator))
+        hooks.slime_validate_config(config=_config(advantage_estimator=estimator, normalize_advantages=True))
+    hooks.slime_validate_config(config=_config())
+    hooks.slime_validate_config(config=_config(kl_coef=0.1))  # KL in reward is what the PPO family uses
     with pytest.raises(ConfigError, match="--kl-coef and --kl-loss-coef are mutually exclusive"):
-        hooks.validate_config(config=_config(kl_coef=0.1, use_kl_loss=True, kl_loss_coef=0.1))
+        hooks.slime_validate_config(config=_config(kl_coef=0.1, use_kl_loss=True, kl_loss_coef=0.1))
     with pytest.raises(ConfigError, match="--value-clip"):
-        hooks.validate_config(config=_config(value_clip=0.0))
+        hooks.slime_validate_config(config=_config(value_clip=0.0))
 
 
 def test_critic_only_steps_need_the_ppo_estimator():
-    defaults = {o.name: o.default for o in load_plugins(["ppo"]).declared_options()["ppo"]}
+    defaults = {o.name: o.default for o in load_plugins(["ppo"]).slime_options()["ppo"]}
     config = Config.make(num_critic_only_steps=2, plugins=["ppo"],
                          plugin_values={"ppo": defaults | {"advantage_estimator": "reinforce_plus_plus",
                                                            "normalize_advantages": True}})
     with pytest.raises(ConfigError, match="--num-critic-only-steps 2 needs a critic"):
-        load_plugins(["ppo"]).validate_config(config=config)
+        load_plugins(["ppo"]).slime_validate_config(config=config)
 
 
 def test_alone_it_is_a_complete_algorithm_and_asks_for_a_critic_only_with_gae():
     hooks = load_plugins(["ppo"])
     hooks.check()  # advantages, loss and rewards are all answered
-    assert hooks.train_roles(config=_config()) == [["critic"]]
-    assert hooks.train_roles(config=_config(advantage_estimator="reinforce_plus_plus")) == [[]]
-    assert "values" in hooks.train_inputs(config=_config(), role="actor")
-    assert not hooks.train_inputs(config=_config(), role="critic")
-    inputs = hooks.train_inputs(config=_config(kl_coef=0.1), role="actor")
+    assert hooks.slime_train_roles(config=_config()) == [["critic"]]
+    assert hooks.slime_train_roles(config=_config(advantage_estimator="reinforce_plus_plus")) == [[]]
+    assert "values" in hooks.slime_train_inputs(config=_config(), role="actor")
+    assert not hooks.slime_train_inputs(config=_config(), role="critic")
+    inputs = hooks.slime_train_inputs(config=_config(kl_coef=0.1), role="actor")
     assert {"log_probs", "ref_log_probs"} <= set(inputs)

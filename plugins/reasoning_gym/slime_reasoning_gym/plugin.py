@@ -22,7 +22,6 @@ from reasoning_gym.utils import SYSTEM_PROMPTS, extract_answer
 
 from slimecore import hookimpl
 from slimecore.config import ConfigError, Option, json_value
-from slimecore.data.source import hook_buffer_filter
 from slimecore.defaults import reward as default_reward
 
 from slime_reasoning_gym.difficulty import DifficultyController, Thresholds
@@ -108,7 +107,7 @@ def slime_validate_config(config):
 
 
 @hookimpl
-def slime_data_source(config, tokenizer, hooks):
+def slime_data_source(config, tokenizer, buffer_filter):
     opts = config.plugin(NAME)
     tasks = build_tasks(opts)
     controller = DifficultyController({t.name: t.top_level for t in tasks}, opts.rg_start_level, thresholds(opts),
@@ -126,7 +125,7 @@ def slime_data_source(config, tokenizer, hooks):
     source = ReasoningGymSource(tasks, controller, render, n_samples_per_prompt=config.n_samples_per_prompt,
                                 system_prompt=system, seed=config.rollout_seed, size=config.task_size,
                                 max_prompt_len=config.rollout_max_prompt_len,
-                                buffer_filter=hook_buffer_filter(config, hooks))
+                                buffer_filter=buffer_filter)
     _SOURCES[:] = [source]
     log.info("reasoning_gym: tasks %s, top levels %s, start level %d, adapt %s", opts.rg_tasks,
              {t.name: t.top_level for t in tasks}, opts.rg_start_level, opts.rg_adapt)

@@ -14,6 +14,7 @@ from slime_reasoning_gym.source import METADATA_KEY
 from slime_reasoning_gym.tasks import Task, TaskError
 from slimecore.config import ConfigError, parse_config
 from slimecore.plugins import installed_entry_points, load_plugins
+from slimecore.rollout.hook_args import buffer_filter
 from slimecore.testing.contract import check_plugin_contract
 from slimecore_cli.main import cli
 
@@ -23,9 +24,9 @@ HOOKS = ["slime_data_source", "slime_group_reward", "slime_log_rollout", "slime_
 
 def _config(*argv):
     hooks = load_plugins(["grpo", "reasoning_gym"])
-    config = parse_config(list(argv), ["grpo", "reasoning_gym"], hooks.declared_options(), hooks.implied_options(),
-                          hooks.quickstart_options())
-    hooks.validate_config(config=config)
+    config = parse_config(list(argv), ["grpo", "reasoning_gym"], hooks.slime_options(),
+                          hooks.slime_implied_options(), hooks.slime_quickstart_options())
+    hooks.slime_validate_config(config=config)
     return hooks, config
 
 
@@ -38,7 +39,8 @@ def tokenizer(tiny_hf_checkpoint):
 
 def _source(tokenizer, *argv):
     hooks, config = _config("--n-samples-per-prompt", "2", *argv)
-    return hooks, config, hooks.data_source(config=config, tokenizer=tokenizer, hooks=hooks)
+    return hooks, config, hooks.slime_data_source(config=config, tokenizer=tokenizer,
+                                                  buffer_filter=buffer_filter(hooks, config))
 
 
 def test_discovered_with_its_hooks_and_quickstart():
@@ -135,7 +137,7 @@ def test_the_reward_is_the_tasks_score_answer_and_moves_the_level(tokenizer):
     assert _score(config, samples[4], f"{samples[4].label}") == 0.0  # no <answer> tag: reasoning-gym grades None
     assert _score(config, samples[5], "<answer>no idea</answer>") == 0.0
     metrics = {}
-    hooks.log_rollout(config=config, rollout_id=0, samples=samples, metrics=metrics)
+    hooks.slime_log_rollout(config=config, rollout_id=0, samples=samples, metrics=metrics)
     # 4 passes then 2 fails at level 0: the first 4 raised it to 1; results at level 0 after that are dropped
     assert metrics["reasoning_gym/basic_arithmetic/level"] == 1.0
     assert metrics["reasoning_gym/basic_arithmetic/level_changes"] == 1.0

@@ -32,7 +32,7 @@ from pathlib import Path
 from slimecore import hookimpl
 from slimecore.config import ConfigError, Option
 from slimecore.data.dataset import read_rows
-from slimecore.data.source import PromptDataSource, hook_buffer_filter, prompts_from_rows
+from slimecore.data.source import PromptDataSource, prompts_from_rows
 from slimecore.rollout.turns import parse_tag_call, run_tool, run_turns
 
 from slime_search_r1.dataset import CORPUS_PATH, DATASETS, QA_PATH, golden_answers, make_prompt
@@ -114,10 +114,10 @@ def slime_datasets():
 
 
 @hookimpl
-def slime_data_source(config, tokenizer, hooks):
+def slime_data_source(config, tokenizer, buffer_filter):
     """``--prompt-data`` as the built-in reads it; without it, the shipped QA set (``--task`` is not used)."""
     if config.prompt_data is not None:
-        source = PromptDataSource.from_config(config, tokenizer, buffer_filter=hook_buffer_filter(config, hooks))
+        source = PromptDataSource.from_config(config, tokenizer, buffer_filter=buffer_filter)
         where = config.prompt_data
     else:
         rows = read_rows(str(QA_PATH))
@@ -128,7 +128,7 @@ def slime_data_source(config, tokenizer, hooks):
                                               label_key="label", apply_chat_template=config.apply_chat_template)
 
         source = PromptDataSource(records, config.n_samples_per_prompt, shuffle=config.rollout_shuffle,
-                                  seed=config.rollout_seed, buffer_filter=hook_buffer_filter(config, hooks),
+                                  seed=config.rollout_seed, buffer_filter=buffer_filter,
                                   num_filtered=filtered)
         where = str(QA_PATH)
         log.info("search_r1: no --prompt-data, training on the shipped QA set (%d questions)", len(records))

@@ -9,14 +9,15 @@ from click.testing import CliRunner
 from slime_search_r1.dataset import QA_PATH
 from slimecore.config import ConfigError, parse_config
 from slimecore.plugins import HookCallError, load_plugins
+from slimecore.rollout.hook_args import buffer_filter
 from slimecore_cli.main import cli
 
 
 def _config(*argv):
     hooks = load_plugins(["grpo", "search_r1"])
-    config = parse_config(["--rollout-batch-size", "2", *argv], ["grpo", "search_r1"], hooks.declared_options(),
-                          hooks.implied_options(), hooks.quickstart_options())
-    hooks.validate_config(config=config)
+    config = parse_config(["--rollout-batch-size", "2", *argv], ["grpo", "search_r1"], hooks.slime_options(),
+                          hooks.slime_implied_options(), hooks.slime_quickstart_options())
+    hooks.slime_validate_config(config=config)
     return hooks, config
 
 
@@ -47,7 +48,7 @@ def test_without_prompt_data_the_shipped_questions_are_served(tiny_hf_checkpoint
 
     tokenizer = load_tokenizer(str(tiny_hf_checkpoint))
     hooks, config = _config("--n-samples-per-prompt", "2", "--apply-chat-template")
-    source = hooks.data_source(config=config, tokenizer=tokenizer, hooks=hooks)
+    source = hooks.slime_data_source(config=config, tokenizer=tokenizer, buffer_filter=buffer_filter(hooks, config))
     assert len(source) == 95
     group = source.get_samples(1)[0]
     first = json.loads(QA_PATH.read_text().splitlines()[0])
@@ -67,11 +68,13 @@ def test_the_shipped_set_runs_with_its_own_quick_start_and_a_worked_example(tiny
     assert config.recommended_by == "plugin 'search_r1'"  # not the built-in compare task's 16 tokens per turn
     assert config.rollout_max_response_len == 64 and config.apply_chat_template is False
     assert config.recommended_applied == {k: v for k, v in QUICKSTART.items() if k != "rollout_batch_size"}
-    prompt = hooks.data_source(config=config, tokenizer=tokenizer, hooks=hooks).get_samples(1)[0][0].prompt
+    source = hooks.slime_data_source(config=config, tokenizer=tokenizer, buffer_filter=buffer_filter(hooks, config))
+    prompt = source.get_samples(1)[0][0].prompt
     assert prompt == make_prompt("What is the capital of France", one_shot=True)  # plain text, no chat template
     assert ONE_SHOT_EXAMPLE + "Question: What is the capital of France?" in prompt
     hooks, config = _config("--search-prompt", "search_r1")
-    prompt = hooks.data_source(config=config, tokenizer=tokenizer, hooks=hooks).get_samples(1)[0][0].prompt
+    source = hooks.slime_data_source(config=config, tokenizer=tokenizer, buffer_filter=buffer_filter(hooks, config))
+    prompt = source.get_samples(1)[0][0].prompt
     assert prompt == json.loads(QA_PATH.read_text().splitlines()[0])["input"]  # Search-R1's, word for word
     hooks, config = _config("--prompt-data", "qa.jsonl", "--label-key", "label")
     assert config.recommended_by is None and config.rollout_max_response_len != 64
@@ -85,9 +88,9 @@ def test_prompt_data_is_read_as_the_built_in_does_and_labels_are_checked(tiny_hf
     data.write_text(json.dumps({"question": "Who wrote Hamlet?", "answers": ["Shakespeare"]}) + "\n"
                     + json.dumps({"question": "Who wrote Emma?", "answers": []}) + "\n")
     hooks, config = _config("--prompt-data", f"{data}@[0:1]", "--input-key", "question", "--label-key", "answers")
-    source = hooks.data_source(config=config, tokenizer=tokenizer, hooks=hooks)
+    source = hooks.slime_data_source(config=config, tokenizer=tokenizer, buffer_filter=buffer_filter(hooks, config))
     assert len(source) == 1 and source.get_samples(1)[0][0].prompt == "Who wrote Hamlet?"
     hooks, config = _config("--prompt-data", str(data), "--input-key", "question", "--label-key", "answers")
     with pytest.raises(HookCallError, match=r"search_r1' raised in slime_data_source: .*qa.jsonl, prompt 2: its label "
                                             r"\[\] holds no golden answer"):
-        hooks.data_source(config=config, tokenizer=tokenizer, hooks=hooks)
+        hooks.slime_data_source(config=config, tokenizer=tokenizer, buffer_filter=buffer_filter(hooks, config))

@@ -21,7 +21,7 @@ def test_discovered_with_its_hooks_and_options():
     info = next(p for p in hooks.plugins if p.name == "search_r1")
     assert info.hooks == HOOKS and info.distribution == "slime-core-search-r1"
     assert check_plugin_contract("search_r1") == HOOKS
-    options = {o.name: o.default for o in hooks.declared_options()["search_r1"]}
+    options = {o.name: o.default for o in hooks.slime_options()["search_r1"]}
     assert options == {"search_url": None, "search_corpus": None, "search_topk": 3,
                        "search_timeout": 60.0, "search_max_retries": 3, "structure_format_score": 0.2,
                        "final_format_score": 0.1, "retrieval_score": 0.0, "search_prompt": "one_shot"}
@@ -44,7 +44,7 @@ def test_shipped_questions_are_answered_in_the_shipped_corpus():
 
 def test_slime_datasets_and_the_data_command(tmp_path):
     hooks = load_plugins(["search_r1"], defaults=False)
-    assert hooks.datasets() == [{"search_r1_qa": str(QA_PATH)}]  # slime_datasets
+    assert hooks.slime_datasets() == [{"search_r1_qa": str(QA_PATH)}]  # slime_datasets
     out = tmp_path / "qa.jsonl"
     result = CliRunner().invoke(cli, ["data", "--task", "search_r1_qa", "-n", "5", "-o", str(out)])
     assert result.exit_code == 0 and "wrote 5 rows of data set 'search_r1_qa' (plugin 'search_r1')" in result.output

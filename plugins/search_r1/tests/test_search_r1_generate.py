@@ -16,6 +16,7 @@ from slimecore.config import Config
 from slimecore.rollout.groups import sampling_params
 from slimecore.plugins import load_plugins
 from slimecore.rollout.client import RolloutClient
+from slimecore.rollout.hook_args import SampleHooks, buffer_filter
 from slimecore.rollout.manager import convert_samples
 from slimecore.testing import mask_runs
 from slimecore.trainers.fsdp import FSDPTrainer
@@ -34,7 +35,7 @@ def engine(taught_checkpoint):
 def _setup(checkpoint, search_data, temperature=0.0, max_turns=None, **core):
     corpus, qa = search_data
     hooks = load_plugins(["search_r1"])
-    values = {o.name: o.default for o in hooks.declared_options()["search_r1"]}
+    values = {o.name: o.default for o in hooks.slime_options()["search_r1"]}
     values |= {"search_corpus": str(corpus), "search_topk": 1}
     values |= {k: core.pop(k) for k in list(core) if k in values}
     config = Config.make(plugins=["search_r1"], plugin_values={"search_r1": values}, hf_checkpoint=str(checkpoint),
@@ -49,14 +50,16 @@ def _setup(checkpoint, search_data, temperature=0.0, max_turns=None, **core):
 def _rollout(engine, hooks, config, params, groups: int = 4):
     """Samples of ``groups`` prompts, generated and scored through the hooks, as the rollout manager does."""
     client = RolloutClient(engine.url, tokenizer=engine.tokenizer)
-    source = hooks.data_source(config=config, tokenizer=engine.tokenizer, hooks=hooks)
+    source = hooks.slime_data_source(config=config, tokenizer=engine.tokenizer,
+                                     buffer_filter=buffer_filter(hooks, config))
     samples = [s for group in source.get_samples(groups) for s in group]
 
     async def run():
-        out = await asyncio.gather(*(hooks.generate(config=config, sample=s, sampling_params=params, client=client,
-                                                    evaluation=False) for s in samples))
+        generate = SampleHooks(hooks).generate
+        out = await asyncio.gather(*(generate(config=config, sample=s, sampling_params=params, client=client,
+                                              evaluation=False) for s in samples))
         for s in out:
-            s.reward = await hooks.reward(config=config, sample=s)
+            s.reward = await hooks.slime_reward(config=config, sample=s)
         await client.close()
         return out
 
@@ -80,7 +83,7 @@ def test_taught_episodes_search_answer_and_recover_from_an_invalid_action(engine
         assert sample.status == Status.COMPLETED and sample.metadata["turns"] == 2
         assert sample.response.endswith(f"<answer> {CITIES[country]} </answer>")  # the stop ended the turn
     metrics = {}
-    hooks.log_rollout(config=config, rollout_id=0, samples=samples, metrics=metrics)
+    hooks.slime_log_rollout(config=config, rollout_id=0, samples=samples, metrics=metrics)
     assert metrics == {"search_r1/searches_per_sample": 0.75, "search_r1/invalid_actions_per_sample": 0.25,
                        "search_r1/em": 1.0, "search_r1/valid_format": 0.75, "search_r1/turns_per_sample": 2.0}
 

@@ -75,7 +75,8 @@ def test_the_invalid_action_reply_is_not_an_answer():
     assert compute_score(fixed, ["Paris"], 0.2, 0.1, not_answers=(INVALID_ACTION,)) == pytest.approx(0.8)
     hooks, config = _config()
     sample = Sample(index=0, response=response, label="Paris")
-    assert asyncio.run(hooks.reward(config=config, sample=sample)) == 0.0 and sample.metadata["search_r1"]["em"] == 0.0
+    assert asyncio.run(hooks.slime_reward(config=config, sample=sample)) == 0.0
+    assert sample.metadata["search_r1"]["em"] == 0.0
 
 
 def test_golden_answers_accept_search_r1_and_slime_labels():
@@ -93,7 +94,7 @@ def test_golden_answers_accept_search_r1_and_slime_labels():
 
 def _config(**values):
     hooks = load_plugins(["search_r1"])
-    defaults = {o.name: o.default for o in hooks.declared_options()["search_r1"]}
+    defaults = {o.name: o.default for o in hooks.slime_options()["search_r1"]}
     return hooks, Config.make(plugins=["search_r1"], plugin_values={"search_r1": defaults | values})
 
 
@@ -101,12 +102,12 @@ def test_reward_hook_scores_the_response_and_records_em():
     hooks, config = _config()
     sample = Sample(index=0, prompt=make_prompt("What is the capital of France"), response=GOOD,
                     label={"target": ["Paris"]})
-    assert asyncio.run(hooks.reward(config=config, sample=sample)) == 1.0
+    assert asyncio.run(hooks.slime_reward(config=config, sample=sample)) == 1.0
     assert sample.metadata["search_r1"] == {"em": 1.0, "valid_format": 1.0}
     sample.response = "<answer>Lyon</answer>"
-    assert asyncio.run(hooks.reward(config=config, sample=sample)) == pytest.approx(0.1)  # --final-format-score
+    assert asyncio.run(hooks.slime_reward(config=config, sample=sample)) == pytest.approx(0.1)  # --final-format-score
     hooks, config = _config(final_format_score=0.0, structure_format_score=0.0)
-    assert asyncio.run(hooks.reward(config=config, sample=sample)) == 0.0
+    assert asyncio.run(hooks.slime_reward(config=config, sample=sample)) == 0.0
     sample.label = None
     with pytest.raises(HookCallError, match="plugin 'search_r1' raised in slime_reward: .*sample 0: it has no label"):
-        asyncio.run(hooks.reward(config=config, sample=sample))
+        asyncio.run(hooks.slime_reward(config=config, sample=sample))

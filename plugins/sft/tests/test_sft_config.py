@@ -17,8 +17,8 @@ from slimecore.testing import timeout as scaled
 
 def _parse(*argv: str, plugins=("sft",)) -> Config:
     hooks = load_plugins(list(plugins))
-    config = parse_config(list(argv), list(plugins), hooks.declared_options(), hooks.implied_options())
-    hooks.validate_config(config=config)
+    config = parse_config(list(argv), list(plugins), hooks.slime_options(), hooks.slime_implied_options())
+    hooks.slime_validate_config(config=config)
     return config
 
 
@@ -78,7 +78,7 @@ def test_an_implied_options_answer_that_is_not_a_dict_is_an_error_naming_the_plu
 
     hooks = load_plugins([], extra=[ListAnswer()], defaults=False)
     with pytest.raises(PluginError, match="plugin 'ListAnswer': slime_implied_options must return a dict"):
-        hooks.implied_options()
+        hooks.slime_implied_options()
 
 
 def _cli(*args: str) -> subprocess.CompletedProcess:

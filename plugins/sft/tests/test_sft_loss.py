@@ -15,6 +15,7 @@ from slimecore.config import Config
 from slimecore.hf_checkpoint import load_tokenizer
 from slimecore.ops.reducers import make_sample_mean_reducer, make_token_mean_reducer
 from slimecore.plugins import load_plugins
+from slimecore.rollout.hook_args import buffer_filter
 from slimecore.testing.distributed import run_ranks
 from slimecore.rollout.manager import convert_samples
 from slimecore.trainers.fsdp import FSDPTrainer
@@ -60,7 +61,8 @@ def _train_data(checkpoint, directory) -> tuple[Config, dict]:
     path.write_text("".join(json.dumps({"messages": m}) + "\n" for m in CONVERSATIONS))
     config = _config(checkpoint, str(path))
     hooks = load_plugins(["sft"])
-    source = hooks.data_source(config=config, tokenizer=load_tokenizer(checkpoint), hooks=hooks)
+    source = hooks.slime_data_source(config=config, tokenizer=load_tokenizer(checkpoint),
+                                     buffer_filter=buffer_filter(hooks, config))
     samples = [s for group in source.get_samples(len(source)) for s in group]
     return config, convert_samples(hooks, config, samples)
 
