@@ -17,8 +17,8 @@ from slimecore.ops.reducers import make_sample_mean_reducer, make_token_mean_red
 from slimecore.plugins import load_plugins
 from slimecore.testing.distributed import run_ranks
 from slimecore.rollout.manager import convert_samples
-from slimecore.trainers.fsdp import FSDPTrainer
 from slimecore.trainers.schedule import build_dp_schedule, split_for_ranks
+from slimecore.trainers.trainer import Trainer
 from slime_sft.plugin import sft_loss
 
 CONVERSATIONS = [
@@ -78,9 +78,9 @@ def _part(data, dp_size=1, rank=0, micro_batch_size=8, max_tokens=None):
 
 def _train(config, data, dp_size=1, rank=0, **part_kw):
     torch.manual_seed(0)
-    trainer = FSDPTrainer(config, load_plugins(["sft"]), rank=rank, world_size=dp_size)
+    trainer = Trainer(config, load_plugins(["sft"]), rank=rank, world_size=dp_size)
     metrics = trainer.train(0, _part(data, dp_size, rank, **part_kw))
-    return metrics, torch.cat([p.grad.reshape(-1) for p in trainer.params])
+    return metrics, torch.cat([p.grad.reshape(-1) for p in trainer.backend.params])
 
 
 def _config_like(config, **kw) -> Config:
