@@ -118,6 +118,19 @@ def backend_class(name: str) -> type:
     return getattr(importlib.import_module(module), attr)
 
 
+def training_device() -> torch.device:
+    """This process's current CUDA device (the actor set it to its bundle's GPU), else the CPU."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def add_up(per_rank: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Key-wise sums of the ranks' metric dicts (a rank lacking a key adds 0), keys sorted."""
+    per_rank = list(per_rank)
+    return {k: sum(d.get(k, 0.0) for d in per_rank) for k in sorted({k for d in per_rank for k in d})}
+
+
 def lr_lambda(config, warmup: int | None = None, lr: float | None = None):
     """LR multiplier for optimizer step ``it`` (0-based): linear warm-up, then constant / linear / cosine decay
     to ``--min-lr`` at ``--train-iters`` (constant after warm-up when ``train_iters`` is None).

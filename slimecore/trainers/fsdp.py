@@ -43,7 +43,8 @@ import torch
 import torch.distributed as dist
 
 from slimecore.ops.logprobs import log_probs_and_entropy
-from slimecore.trainers.backend import MicroBatchFn, ReferenceCopy, load_rng, lr_lambda, missing_reference, save_rng
+from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
+                                        save_rng, training_device)
 
 log = logging.getLogger("slimecore.fsdp")
 
@@ -97,9 +98,8 @@ class FSDPBackend:
             raise RuntimeError(f"FSDPBackend(world_size={world_size}) needs torch.distributed initialised first")
         self.config, self.rank, self.world_size = config, rank, world_size
         self.group = process_group
-        cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.sharded = (cuda and world_size > 1) if shard is None else (shard and world_size > 1)
+        self.device = training_device()
+        self.sharded = (self.device.type == "cuda" and world_size > 1) if shard is None else (shard and world_size > 1)
         self.collective_export = self.sharded
 
         self.is_value = value_model
@@ -312,7 +312,7 @@ class FSDPBackend:
             return dict(values)
         gathered: list[dict | None] = [None] * self.world_size
         dist.all_gather_object(gathered, values, group=self.group)
-        return {k: sum(g.get(k, 0.0) for g in gathered) for k in sorted({k for g in gathered for k in g})}
+        return add_up(gathered)
 
     # -- weights and checkpoints ----------------------------------------------------------------------
     def _state_dict(self) -> dict[str, torch.Tensor]:

@@ -52,7 +52,8 @@ import torch
 import torch.distributed as dist
 
 from slimecore.megatron_args import megatron_overrides
-from slimecore.trainers.backend import MicroBatchFn, ReferenceCopy, load_rng, lr_lambda, missing_reference, save_rng
+from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
+                                        save_rng, training_device)
 from slimecore.trainers.megatron_model import (BridgedModel, MegatronSetupError, check_shape, find_bridge,
                                                init_parallel, read_checkpoint_meta, write_checkpoint_meta)
 
@@ -213,8 +214,7 @@ class MegatronBackend:
             raise MegatronSetupError("the megatron backend has no value model (a critic); use --train-backend fsdp")
         check_config(config, world_size)
         self.config, self.rank, self.world_size = config, rank, world_size
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
+        self.device = training_device()
         init_parallel(config, rank, world_size)
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
@@ -343,8 +343,7 @@ class MegatronBackend:
                   == 0 and parallel_state.is_pipeline_last_stage())
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, values if speaks else None)
-        gathered = [g for g in gathered if g is not None]
-        return {k: sum(g.get(k, 0.0) for g in gathered) for k in sorted({k for g in gathered for k in g})}
+        return add_up(g for g in gathered if g is not None)
 
     # -- weights and checkpoints ---------------------------------------------------------------------
     def hf_weight_buckets(self, bucket_bytes: int = WEIGHT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
