@@ -61,9 +61,9 @@ class TrainBackend(Protocol):
         ``train=True``: the gradients are reset, then ``fn``'s losses are back-propagated so that the
         gradient is exactly the sum of the losses' gradients (a backend whose own schedule divides by the
         micro-batch count or averages over data-parallel ranks scales the loss back up); returns the infos
-        of the ranks that compute losses (other pipeline stages: ``[]``). ``train=False``: no gradient, and
-        every rank gets the infos. An empty micro-batch still runs a forward (and backward) with zero loss,
-        so that the collectives of all ranks stay matched."""
+        of the ranks that compute losses (other pipeline stages: ``[]``). ``train=False``: no gradient,
+        ``fn``'s loss is ignored (it may be None), and every rank gets the infos. An empty micro-batch still
+        runs a forward (and backward) with zero loss, so that the collectives of all ranks stay matched."""
         ...
 
     def optimizer_step(self) -> tuple[float, float]:
