@@ -97,17 +97,15 @@ def measure(args: argparse.Namespace, train_argv: list[str]) -> dict:
             "--global-batch-size", str(args.samples), "--actor-num-gpus-per-node", str(world), *train_argv]
     config = parse_config(argv, plugins, hooks.slime_options(), hooks.slime_implied_options())
     hooks.slime_validate_config(config=config)
+    from slimecore.trainers.trainer import Trainer
+
+    trainer = Trainer(config, hooks, rank=rank, world_size=world)  # the --train-backend backend
+    dp_rank, dp_size = rank, world
     if args.backend == "megatron":
-        from slimecore.trainers.megatron import MegatronTrainer, data_parallel_rank
+        from slimecore.trainers.megatron import data_parallel_rank
 
-        trainer = MegatronTrainer(config, hooks, rank=rank, world_size=world)
-        dp_rank, dp_size = data_parallel_rank(config, rank, world), trainer.dp_size
-    else:
-        from slimecore.trainers.fsdp import FSDPTrainer
-
-        trainer = FSDPTrainer(config, hooks, rank=rank, world_size=world)
-        dp_rank, dp_size = rank, world
-    vocab = trainer.hf_config.vocab_size
+        dp_rank, dp_size = data_parallel_rank(config, rank, world), trainer.backend.dp_size
+    vocab = trainer.backend.hf_config.vocab_size
     per_step = []
     for step in range(args.steps):
         data = synthetic_batch(args.samples, args.group, args.prompt_len, args.response_len, vocab, seed=step)
@@ -148,12 +146,12 @@ def logprob_diff_to_fsdp(trainer, config, hooks, part: dict) -> dict[str, float]
     the same weights, in the same precision: the mean and largest absolute difference."""
     import torch
 
-    from slimecore.trainers.fsdp import FSDPTrainer
+    from slimecore.trainers.trainer import Trainer
 
-    weights = trainer.named_weights()  # HF names, gathered
-    reference = FSDPTrainer(config, hooks)
-    result = reference.model.load_state_dict(weights, strict=False)
-    tied = {"lm_head.weight"} if getattr(reference.hf_config, "tie_word_embeddings", False) else set()
+    weights = trainer.backend.named_weights()  # HF names, gathered
+    reference = Trainer(config, hooks, backend="fsdp")
+    result = reference.backend.model.load_state_dict(weights, strict=False)
+    tied = {"lm_head.weight"} if getattr(reference.backend.hf_config, "tie_word_embeddings", False) else set()
     if result.unexpected_keys or set(result.missing_keys) - tied:
         raise RuntimeError(f"the megatron export does not match the HF model: missing {result.missing_keys}, "
                            f"unexpected {result.unexpected_keys}")

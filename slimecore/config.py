@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
+from slimecore.trainers.backend import TRAIN_BACKENDS
+
 
 class ConfigError(ValueError):
     """A bad flag, value, file key or combination; the message names it and says what to do."""
@@ -64,7 +66,7 @@ CORE_OPTIONS: list[Option] = [
        "training steps (default: on with --colocate).", group="cluster"),
     _O("offload_rollout", bool, None, "Engines release weights and KV cache (/release_memory_occupation) while the "
        "trainer trains (default: on with --colocate).", group="cluster"),
-    _O("train_backend", str, "fsdp", "Training backend.", choices=("fsdp", "megatron"), group="cluster"),
+    _O("train_backend", str, "fsdp", "Training backend.", choices=tuple(TRAIN_BACKENDS), group="cluster"),
     _O("engines", bool, True, "Start inference engines and the router to generate. --no-engines: train on what the "
        "data source and the rollout hook give, with no generation and no weight sync (supervised fine-tuning runs "
        "so; slime's --debug-train-only).", group="rollout"),

@@ -29,6 +29,8 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from slimecore.config import Config, ConfigError
+from slimecore.trainers.megatron_model import (BridgedModel, check_shape, find_bridge, init_parallel,
+                                               read_checkpoint_meta, write_checkpoint_meta)
 
 # Megatron flags that appear in slime's MODEL_ARGS but say nothing a bridge's shape records (fixed by the
 # architecture, or about training): accepted and not compared. The value: 1 if the flag takes an argument.
@@ -197,8 +199,6 @@ def _load_hf_config(directory: Path):
 
 
 def _bridge(hooks, config, hf_config, where: Path):
-    from slimecore.trainers.megatron import find_bridge
-
     try:
         return find_bridge(config, hooks, hf_config)
     except ConfigError as exc:
@@ -257,16 +257,12 @@ def hf_to_megatron(hf_dir: str | Path, save: str | Path, hooks, preset: str | No
     save = Path(save)
     if (save / "torch_dist").exists() and any((save / "torch_dist").iterdir()):
         raise ConvertError(f"{save}/torch_dist already holds a checkpoint; give an empty --save directory")
-    from megatron.core import dist_checkpointing
-
-    from slimecore.trainers.megatron import build_model, init_parallel, model_sharded_state_dict, write_checkpoint_meta
     rank, world = _world()
     init_parallel(config, rank, world)
-    bridge, _, chunks = build_model(config, hooks, str(hf_dir))
-    (save / "torch_dist").mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(model_sharded_state_dict(chunks), str(save / "torch_dist"))
+    model = BridgedModel.build(config, hooks, str(hf_dir))
+    model.save_torch_dist(save)
     if rank == 0:
-        write_checkpoint_meta(save, bridge, config, iteration=0, optimizer=False, hf_checkpoint=str(Path(hf_dir)))
+        write_checkpoint_meta(save, model.bridge, config, iteration=0, optimizer=False, hf_checkpoint=str(Path(hf_dir)))
     if world > 1:  # no rank returns (and e.g. reads the metadata back) before rank 0 has written it
         import torch.distributed as dist
 
@@ -276,8 +272,6 @@ def hf_to_megatron(hf_dir: str | Path, save: str | Path, hooks, preset: str | No
 
 def check_megatron_to_hf(load: str | Path, hf_dir: str | Path, hooks):
     """Checks of ``megatron-to-hf`` that need no Megatron; returns (config, meta)."""
-    from slimecore.trainers.megatron import check_shape, read_checkpoint_meta
-
     load, hf_dir = Path(load), Path(hf_dir)
     try:
         meta = read_checkpoint_meta(load)
@@ -299,27 +293,18 @@ def megatron_to_hf(load: str | Path, hf_dir: str | Path, output: str | Path, hoo
     load, hf_dir, output = Path(load), Path(hf_dir), Path(output)
     if output.exists() and any(output.glob("*.safetensors")):
         raise ConvertError(f"{output} already holds *.safetensors; give an empty output directory")
-    import torch
-    from megatron.core import dist_checkpointing
     from safetensors.torch import save_file
 
-    from slimecore.trainers.megatron import build_model, init_parallel, model_sharded_state_dict, unwrap
+    from slimecore.engines.weight_sync import bucketize
+
     rank, world = _world()
     init_parallel(config, rank, world)
-    _, runtime, chunks = build_model(config, hooks, str(hf_dir), load_weights=False)
-    loaded = dist_checkpointing.load(model_sharded_state_dict(chunks), str(load / "torch_dist"))
-    unwrap(chunks[0]).load_state_dict(loaded["model"])
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, tensor in runtime.export_hf_weights(chunks):  # collective: every rank iterates
-        if rank:
-            continue
-        nbytes = tensor.numel() * tensor.element_size()
-        if shards[-1] and size + nbytes > shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = tensor.detach().to("cpu", copy=True).contiguous()
-        size += nbytes
+    model = BridgedModel.build(config, hooks, str(hf_dir), load_weights=False)
+    model.load_torch_dist(load)
+    shards = []
+    for bucket in bucketize(model.hf_weights(), shard_bytes):  # collective: every rank iterates
+        if rank == 0:
+            shards.append({name: tensor.contiguous() for name, tensor in bucket})
     if rank:
         return output
     output.mkdir(parents=True, exist_ok=True)

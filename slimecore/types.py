@@ -300,7 +300,7 @@ class RolloutColumns(_EngineLogProbs):
 
 
 class StepSchedule(TypedDict):
-    """One optimizer step of one rank (``slimecore.trainers.schedule``)."""
+    """One optimizer step of one rank (``slimecore.rollout.schedule``)."""
 
     micro_batches: list[list[int]]  # local sample indices per micro-batch; an empty one keeps ranks in step
     num_rollouts: int  # B: the step's rollouts with a trainable token, over all ranks (sample-mean reducer)

@@ -163,7 +163,7 @@ def test_a_model_that_calls_tools_through_both_sdks(tool_checkpoint):
 
 
 def test_trainer_log_probs_equal_the_engines_on_session_samples(agent_sessions, tiny_hf_checkpoint):
-    from slimecore.trainers.fsdp import FSDPTrainer
+    from slimecore.trainers.trainer import Trainer
 
     samples = []
     for index in range(2):
@@ -179,7 +179,7 @@ def test_trainer_log_probs_equal_the_engines_on_session_samples(agent_sessions, 
     config = Config.make(rollout_batch_size=1, n_samples_per_prompt=2, hf_checkpoint=str(tiny_hf_checkpoint))
     data = convert_samples(load_plugins([]), config, samples)
     data["steps"] = [{"micro_batches": [list(range(len(samples)))]}]
-    recomputed = FSDPTrainer(config, load_plugins([]), rank=0, world_size=1).compute_log_probs(data)
+    recomputed = Trainer(config, load_plugins([]), rank=0, world_size=1).compute_log_probs(data)
     for sample, log_probs in zip(samples, recomputed):
         mask = torch.tensor(sample.loss_mask, dtype=torch.bool)
         assert mask.sum() > 0 and mask.sum() < len(mask)  # model tokens trained, template and user tokens not

@@ -15,7 +15,7 @@ import torch
 from slimecore.config import Config
 from slimecore.plugins import load_plugins
 from slimecore.testing.distributed import run_ranks
-from slimecore.trainers.fsdp import FSDPTrainer
+from slimecore.trainers.trainer import Trainer
 from test_fsdp_trainer import _data, _flat_grads, _part
 
 pytest.importorskip("slime_ppo", reason="the algorithm plugins are installed by scripts/setup.sh")
@@ -58,7 +58,7 @@ def _train(checkpoint, case, dp_size=1, rank=0, **part_kw):
     data = _case_data(role)
     config = _config(checkpoint, plugin, overrides, len(set(data["rollout_ids"])))
     torch.manual_seed(0)
-    trainer = FSDPTrainer(config, load_plugins([plugin]), rank=rank, world_size=dp_size, role=role)
+    trainer = Trainer(config, load_plugins([plugin]), rank=rank, world_size=dp_size, role=role)
     metrics = trainer.train(0, _part(data, dp_size=dp_size, rank=rank, **part_kw))
     return metrics, _flat_grads(trainer)
 

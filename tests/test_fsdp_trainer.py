@@ -15,8 +15,9 @@ from slimecore.config import Config
 from slimecore.ops import distributed_masked_whiten, masked_whiten
 from slimecore.plugins import load_plugins
 from slimecore.testing.distributed import run_ranks
-from slimecore.trainers.fsdp import FSDPTrainer, lr_lambda
+from slimecore.trainers.backend import lr_lambda
 from slimecore.rollout.schedule import build_dp_schedule, split_for_ranks
+from slimecore.trainers.trainer import Trainer
 
 
 class PolicyGradient:
@@ -76,21 +77,21 @@ def _part(data, dp_size=1, rank=0, micro_batch_size=8, max_tokens=None, rollouts
 
 def _trainer(config, dp_size=1, rank=0, shard=None):
     plugin = PolicyGradient()
-    trainer = FSDPTrainer(config, load_plugins([], extra=[plugin], defaults=False), rank=rank, world_size=dp_size,
-                          shard=shard)
+    trainer = Trainer(config, load_plugins([], extra=[plugin], defaults=False), rank=rank, world_size=dp_size,
+                      backend="fsdp", shard=shard)
     return trainer, plugin
 
 
 def _flat_grads(trainer):
     from slimecore.trainers.fsdp import _full
 
-    return torch.cat([_full(p.grad).reshape(-1) for p in trainer.params])
+    return torch.cat([_full(p.grad).reshape(-1) for p in trainer.backend.params])
 
 
 def _flat_weights(trainer):
     from slimecore.trainers.fsdp import _full
 
-    return torch.cat([_full(p.detach()).reshape(-1) for p in trainer.params])
+    return torch.cat([_full(p.detach()).reshape(-1) for p in trainer.backend.params])
 
 
 def _train_once(config, data, **part_kw):
@@ -213,7 +214,7 @@ def test_save_load_round_trip_continues_identically(tiny_checkpoint, tmp_path):
                         / max(seen["rollout_mask_sums"][i], 1) for mb in step0["micro_batches"] for i in mb)
     assert first["train/train_rollout_logprob_abs_diff"] == pytest.approx(expected_diff / step0["num_rollouts"])
     assert len(first_part["steps"]) == 2 and first["train/lr"] > 0
-    trainer.save(str(tmp_path / "ckpt"))
+    trainer.backend.save(str(tmp_path / "ckpt"))
     assert {"model.safetensors", "config.json", "optimizer.pt", "rng_rank0.pt"} <= {
         p.name for p in (tmp_path / "ckpt").iterdir()}
     rng_after_save = torch.get_rng_state()
@@ -222,7 +223,7 @@ def test_save_load_round_trip_continues_identically(tiny_checkpoint, tmp_path):
 
     fresh, plugin = _trainer(config)
     torch.manual_seed(123)  # disturbed on purpose: load must restore the RNG
-    fresh.load(str(tmp_path / "ckpt"))
+    fresh.backend.load(str(tmp_path / "ckpt"))
     assert torch.equal(torch.get_rng_state(), rng_after_save)
     got = fresh.train(1, copy.deepcopy(part))
     train_keys = {k for k in expected if k.startswith("train/")}  # perf/* timings differ run to run
@@ -244,23 +245,23 @@ def test_lora_trains_adapters_and_exports_merged_weights(tiny_checkpoint):
 
     config = _config(tiny_checkpoint, use_lora=True, lora_rank=4, lora_alpha=8, lr=1e-2)
     trainer, plugin = _trainer(config)
-    base_before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if not p.requires_grad}
+    base_before = {n: p.detach().clone() for n, p in trainer.backend.model.named_parameters() if not p.requires_grad}
     trainer.train(0, _part(_data()))
-    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
+    trainable = [n for n, p in trainer.backend.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     batch = plugin.seen[0]  # with LoRA the reference is the model with adapters disabled (B = 0 at start)
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(batch["log_probs"], batch["ref_log_probs"]))
 
-    merged = trainer.named_weights()
-    assert all(torch.equal(p, base_before[n]) for n, p in trainer.model.named_parameters() if n in base_before)
+    merged = trainer.backend.named_weights()
+    assert all(torch.equal(p, base_before[n]) for n, p in trainer.backend.model.named_parameters() if n in base_before)
     plain = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint))
     original = {k: v.clone() for k, v in plain.state_dict().items()}
     assert set(merged) == set(original)
     plain.load_state_dict(merged)
     ids = torch.tensor([[5, 6, 7, 8, 9]])
-    trainer.model.eval()
+    trainer.backend.model.eval()
     with torch.no_grad():
-        assert (trainer.model(input_ids=ids).logits - plain(input_ids=ids).logits).abs().max().item() < 1e-5
+        assert (trainer.backend.model(input_ids=ids).logits - plain(input_ids=ids).logits).abs().max().item() < 1e-5
     assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
                            original["model.layers.0.self_attn.q_proj.weight"])
 
@@ -271,10 +272,10 @@ def test_lora_save_load_and_bf16_gradient_checkpointing_smoke(tiny_checkpoint, t
     trainer, _ = _trainer(config)
     metrics = trainer.train(0, _part(_data()))
     assert all(v == v for v in metrics.values())  # no NaN
-    trainer.save(str(tmp_path / "lora"))
+    trainer.backend.save(str(tmp_path / "lora"))
     assert (tmp_path / "lora" / "adapter_model.safetensors").is_file()
     fresh, _ = _trainer(config)
-    fresh.load(str(tmp_path / "lora"))
+    fresh.backend.load(str(tmp_path / "lora"))
     assert torch.equal(_flat_weights(fresh), _flat_weights(trainer))
 
 
@@ -289,12 +290,12 @@ def test_dropout_is_off_so_the_train_forward_equals_the_old_policy(tmp_path):
     gpt2 = GPT2Config(vocab_size=128, n_embd=32, n_layer=1, n_head=2, n_positions=64, bos_token_id=0, eos_token_id=0)
     GPT2LMHeadModel(gpt2).save_pretrained(tmp_path)
     trainer, _ = _trainer(_config(tmp_path))
-    assert {k: v for k, v in trainer.model.config.to_dict().items() if "pdrop" in k} == {
+    assert {k: v for k, v in trainer.backend.model.config.to_dict().items() if "pdrop" in k} == {
         "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}
-    trainer.model.train()
+    trainer.backend.model.train()
     ids = torch.tensor([[5, 6, 7, 8, 9, 10]])
     with torch.no_grad():
-        assert torch.equal(trainer.model(input_ids=ids).logits, trainer.model(input_ids=ids).logits)
+        assert torch.equal(trainer.backend.model(input_ids=ids).logits, trainer.backend.model(input_ids=ids).logits)
 
 
 # -- LR schedule ---------------------------------------------------------------------------------------
@@ -321,14 +322,14 @@ def test_offload_round_trip_keeps_weights_grads_and_optimizer_state(tiny_checkpo
     data = _data()
     _, grads, trainer, _ = _train_once(config, data)
     weights = _flat_weights(trainer)
-    state = {k: v.clone() for k, v in trainer.optimizer.state[trainer.params[0]].items()}
-    trainer.offload()
-    assert all(p.device.type == "cpu" for p in trainer.params)
-    assert all(v.device.type == "cpu" for v in trainer.optimizer.state[trainer.params[0]].values())
-    trainer.onload()
+    state = {k: v.clone() for k, v in trainer.backend.optimizer.state[trainer.backend.params[0]].items()}
+    trainer.backend.offload()
+    assert all(p.device.type == "cpu" for p in trainer.backend.params)
+    assert all(v.device.type == "cpu" for v in trainer.backend.optimizer.state[trainer.backend.params[0]].values())
+    trainer.backend.onload()
     assert torch.equal(_flat_weights(trainer), weights) and torch.equal(_flat_grads(trainer), grads)
-    assert all(torch.equal(v, state[k]) for k, v in trainer.optimizer.state[trainer.params[0]].items())
-    buckets = list(trainer.hf_weight_buckets(64 * 1024))
+    assert all(torch.equal(v, state[k]) for k, v in trainer.backend.optimizer.state[trainer.backend.params[0]].items())
+    buckets = list(trainer.backend.hf_weight_buckets(64 * 1024))
     sizes = [sum(t.numel() * t.element_size() for _, t in b) for b in buckets]
     assert len(buckets) > 1 and all(s <= 64 * 1024 or len(b) == 1 for s, b in zip(sizes, buckets))
     names = [n for b in buckets for n, _ in b]

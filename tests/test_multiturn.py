@@ -17,7 +17,7 @@ from slimecore.plugins import load_plugins
 from slimecore.rollout.client import RolloutClient
 from slimecore.rollout.hook_args import SampleHooks
 from slimecore.rollout.manager import convert_samples
-from slimecore.trainers.fsdp import FSDPTrainer
+from slimecore.trainers.trainer import Trainer
 from slimecore.types import Status
 
 
@@ -75,7 +75,7 @@ def test_observation_hook_makes_the_built_in_generate_multi_turn(engines, tiny_c
     # the trainer scores the same tokens: on the model's own tokens its log-probs equal the engine's
     data = convert_samples(load_plugins([]), config, samples)
     data["steps"] = [{"micro_batches": [list(range(len(samples)))]}]
-    trainer = FSDPTrainer(config, load_plugins([], extra=[]), rank=0, world_size=1)
+    trainer = Trainer(config, load_plugins([], extra=[]), rank=0, world_size=1)
     recomputed = trainer.compute_log_probs(data)
     for s, lp in zip(samples, recomputed):
         mask = torch.tensor(s.loss_mask, dtype=torch.bool)

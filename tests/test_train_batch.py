@@ -10,8 +10,8 @@ from slimecore import hookimpl
 from slimecore.config import Config
 from slimecore.plugins import load_plugins
 from slimecore.rollout.manager import convert_samples
-from slimecore.trainers.fsdp import FSDPTrainer
-from slimecore.trainers.schedule import split_rollout_data
+from slimecore.trainers.trainer import Trainer
+from slimecore.rollout.schedule import split_rollout_data
 from slimecore.types import ModelOutputs, RankData, RolloutColumns, Sample, TrainBatch
 
 
@@ -74,6 +74,6 @@ def test_every_stage_makes_the_form_it_declares(tiny_checkpoint):
     for part in parts:
         assert_conforms(part, RankData)
     algorithm = SeesTheBatch()
-    trainer = FSDPTrainer(config, load_plugins([], extra=[algorithm]), rank=0, world_size=1)
+    trainer = Trainer(config, load_plugins([], extra=[algorithm]), rank=0, world_size=1)
     trainer.train(0, split_rollout_data(config, columns, dp_size=1)[0])
     assert algorithm.calls[:2] == ["advantages", "postprocess"] and algorithm.calls.count("loss") == 4

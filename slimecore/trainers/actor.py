@@ -1,7 +1,7 @@
 """Training Ray actors (one per data-parallel rank) and the driver-side group that drives them.
 
 Each actor loads the run's plugins itself (hooks are called in this process), joins a gloo/NCCL
-process group, and wraps a backend (``fsdp`` or ``megatron``, the same methods).
+process group, and hosts a ``Trainer`` (``slimecore.trainers.trainer``) on the ``--train-backend`` backend.
 """
 
 from __future__ import annotations
@@ -47,14 +47,10 @@ class TrainActor:
         torch.manual_seed(config.seed + rank)
         self.hooks = load_for_config(config)
         self.hooks.slime_startup(config=config, process="train")
-        if config.train_backend == "fsdp":
-            from slimecore.trainers.fsdp import FSDPTrainer
+        from slimecore.trainers.trainer import Trainer
 
-            self.backend = FSDPTrainer(config, self.hooks, rank=rank, world_size=world_size, role=role)
-        else:
-            from slimecore.trainers.megatron import MegatronTrainer
-
-            self.backend = MegatronTrainer(config, self.hooks, rank=rank, world_size=world_size, role=role)
+        self.trainer = Trainer(config, self.hooks, rank=rank, world_size=world_size, role=role)
+        self.backend = self.trainer.backend
 
     @contextlib.contextmanager
     def _watchdog(self):
@@ -83,22 +79,22 @@ class TrainActor:
                  if v not in (None, "default") and policy_version - int(v) > self.config.max_staleness]
         for i in stale:
             data["loss_masks"][i] = [0] * len(data["loss_masks"][i])
-        metrics = self.backend.train(rollout_id, data, update=update)
+        metrics = self.trainer.train(rollout_id, data, update=update)
         metrics["train/max_staleness"] = float(max(lags, default=0))
         metrics["train/stale_samples_dropped"] = float(len(stale))
         return metrics
 
     def compute_values(self, data: dict) -> dict:
         """A value role's ``{"values": ...}`` for this rank's samples, before it trains on them."""
-        return self.backend.compute_values(data)
+        return self.trainer.compute_values(data)
 
     def outputs(self) -> dict:
         """What the last ``train`` produced for other roles (``{"returns": ...}``)."""
-        return self.backend.outputs
+        return self.trainer.outputs
 
     def named_weights(self):
         """Rank 0's full HF-named weights. Every rank is called: gathering sharded weights is collective."""
-        if self.rank != 0 and not getattr(self.backend, "sharded", False):
+        if self.rank != 0 and not self.backend.collective_export:
             return None
         with self._watchdog():
             weights = self.backend.named_weights()
@@ -147,7 +143,7 @@ class TrainActor:
         weights = self.named_weights()
         if weights is not None:
             write_hf_model(weights, self.config.hf_checkpoint, directory)
-        if self.config.use_lora and hasattr(self.backend, "save_pretrained"):
+        if self.config.use_lora:  # only the fsdp backend trains LoRA adapters
             self.backend.save_pretrained(Path(directory) / "adapter")
         return directory if weights is not None else None
 

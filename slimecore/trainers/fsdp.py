@@ -1,4 +1,5 @@
-"""The ``fsdp`` training backend: an HF ``AutoModelForCausalLM`` trained with plain torch.
+"""The ``fsdp`` training backend: an HF ``AutoModelForCausalLM`` trained with plain torch
+(``slimecore.trainers.backend.TrainBackend``; the step around it is ``slimecore.trainers.trainer``).
 
 Parallelism. Every data-parallel rank runs its own micro-batches (``slimecore.rollout.schedule``) and the
 gradients are **summed** across ranks: the loss reducer already divides by the step's global rollout (or
@@ -22,8 +23,7 @@ Log-prob and entropy math is always fp32 (``slimecore.ops``).
 Value model (role ``critic``, placed when a plugin's ``slime_train_roles`` returns it): the
 ``--critic-hf-checkpoint`` backbone with a one-output token-classification head (``AutoModelForTokenClassification``,
 ``num_labels=1``; the head is initialised from ``--seed``, identically on every rank). ``V`` of response token
-``t`` is read at the same position that scores it (row ``prompt_len - 1 + t``), as slime does. The critic
-trains on the ``returns`` the actor's advantage hook produced, with ``slime_loss(role="critic")``.
+``t`` is read at the same position that scores it (row ``prompt_len - 1 + t``), as slime does.
 
 Reference policy (``ref_log_probs``): the initial weights. Full fine-tuning keeps a CPU copy of them (taken
 at construction, only when a plugin asks for ``ref_log_probs``) and swaps it into the same model for one
@@ -35,50 +35,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import random
 import re
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from slimecore.ops.logprobs import log_probs_and_entropy
-from slimecore.trainers.flops import forward_flops
-from slimecore.ops.reducers import Reducer, make_sample_mean_reducer, make_token_mean_reducer
+from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
+                                        save_rng, training_device)
 
 log = logging.getLogger("slimecore.fsdp")
 
-TENSOR_KEYS = ("loss_masks", "rollout_log_probs", "teacher_log_probs", "values", "returns")  # per-sample lists -> fp32 tensors
 BUCKET_ELEMENTS = 1 << 24  # gradient all-reduce bucket (64 MiB of fp32)
-
-
-def lr_lambda(config, warmup: int | None = None, lr: float | None = None):
-    """LR multiplier for optimizer step ``it`` (0-based): linear warm-up, then constant / linear / cosine decay
-    to ``--min-lr`` at ``--train-iters`` (constant after warm-up when ``train_iters`` is None).
-
-    Matches Megatron's schedule except that warm-up step ``it`` uses ``(it + 1) / warmup`` rather than
-    ``it / warmup``, so the first update is not made with a learning rate of 0.
-    """
-    warmup = (config.lr_warmup_iters if warmup is None else warmup) or 0
-    total, lr = config.train_iters, config.lr if lr is None else lr
-    floor = config.min_lr / lr if lr else 0.0
-
-    def factor(it: int) -> float:
-        if it < warmup:
-            return (it + 1) / warmup
-        if config.lr_decay_style == "constant" or not total:
-            return 1.0
-        progress = min(1.0, (it - warmup) / max(1, total - warmup))
-        if config.lr_decay_style == "linear":
-            return floor + (1 - floor) * (1 - progress)
-        if config.lr_decay_style == "cosine":
-            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
-        raise ValueError(f"unknown --lr-decay-style {config.lr_decay_style!r}; use constant, linear or cosine")
-
-    return factor
 
 
 def _without_dropout(checkpoint: str):
@@ -115,26 +85,24 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-class FSDPTrainer:
-    """One DP rank of one training role. The caller has initialised torch.distributed when world_size > 1.
+class FSDPBackend:
+    """The fsdp ``TrainBackend`` of one rank (see ``slimecore.trainers.backend``). ``process_group``: the
+    group to shard or all-reduce over (default: the world); ``shard``: FSDP2 (default: on CUDA with more
+    than one rank)."""
 
-    ``hooks`` exposes ``train_inputs``, ``compute_advantages``, ``rollout_data_postprocess`` and ``loss``
-    (keyword arguments only), as ``slimecore.plugins.Hooks`` does.
-    """
-
-    def __init__(self, config, hooks, rank: int = 0, world_size: int = 1, role: str = "actor",
-                 process_group=None, shard: bool | None = None):
+    def __init__(self, config, hooks=None, *, rank: int = 0, world_size: int = 1, value_model: bool = False,
+                 keep_reference: bool = False, process_group=None, shard: bool | None = None):
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         if world_size > 1 and not dist.is_initialized():
-            raise RuntimeError(f"FSDPTrainer(world_size={world_size}) needs torch.distributed initialised first")
-        self.config, self.hooks, self.rank, self.world_size, self.role = config, hooks, rank, world_size, role
+            raise RuntimeError(f"FSDPBackend(world_size={world_size}) needs torch.distributed initialised first")
+        self.config, self.rank, self.world_size = config, rank, world_size
         self.group = process_group
-        cuda = torch.cuda.is_available()
-        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
-        self.sharded = (cuda and world_size > 1) if shard is None else (shard and world_size > 1)
+        self.device = training_device()
+        self.sharded = (self.device.type == "cuda" and world_size > 1) if shard is None else (shard and world_size > 1)
+        self.collective_export = self.sharded
 
-        self.is_value = role == "critic"
+        self.is_value = value_model
         if self.is_value:
             checkpoint = config.critic_hf_checkpoint or config.hf_checkpoint
             hf_config = _without_dropout(checkpoint)
@@ -175,11 +143,9 @@ class FSDPTrainer:
         if self.sharded:
             self._shard()
         # Taken before any load(), so the reference is the initial checkpoint; each rank keeps its own shards.
-        self._ref_params: dict[str, torch.Tensor] | None = None
-        if (not self.is_value and not config.use_lora
-                and "ref_log_probs" in hooks.slime_train_inputs(config=config, role=role)):
-            self._ref_params = {name: _local(p).detach().to("cpu", copy=True)
-                                for name, p in self.model.named_parameters()}
+        self._reference = None
+        if keep_reference and not config.use_lora:  # LoRA's reference is the model with its adapters disabled
+            self._reference = ReferenceCopy((name, _local(p)) for name, p in self.model.named_parameters())
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         lr, warmup = config.lr, config.lr_warmup_iters
         if self.is_value:
@@ -188,7 +154,6 @@ class FSDPTrainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=(config.adam_beta1, config.adam_beta2),
                                            eps=config.adam_eps, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config, warmup, lr))
-        self.outputs: dict = {}  # per-sample results another role needs (the actor's returns, for the critic)
 
     def _shard(self) -> None:
         """FSDP2: shard every decoder layer, then the root (embeddings, norm, head). Not run on GPUs here."""
@@ -217,9 +182,9 @@ class FSDPTrainer:
         return contextlib.nullcontext()
 
     def _forward(self, tokens: list[list[int]], response_lengths: list[int], temperature: float,
-                 with_entropy: bool) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+                 with_entropy: bool) -> dict:
         """Per-sample response log-probs (and entropies) of one non-empty micro-batch, each ``(R_i,)``; for the
-        value model, the values at the same positions (and None)."""
+        value model, the values at the same positions."""
         longest = max(len(t) for t in tokens)
         ids = torch.zeros(len(tokens), longest, dtype=torch.long)  # (B, T), right-padded with id 0
         attention = torch.zeros(len(tokens), longest, dtype=torch.long)  # (B, T)
@@ -235,7 +200,7 @@ class FSDPTrainer:
             with self._autocast():
                 out = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device))
             values = out.logits[rows_b.to(self.device), rows_t.to(self.device), 0].float()  # (N,)
-            return list(values.split(split)), None
+            return {"values": list(values.split(split))}
         keep, column = torch.unique(rows_t, return_inverse=True)  # (K,), (N,)
         with self._autocast():
             out = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
@@ -243,7 +208,8 @@ class FSDPTrainer:
         rows = out.logits[rows_b.to(self.device), column.to(self.device)]  # (N, V)
         targets = ids[rows_b, rows_t + 1].to(self.device)  # (N,)
         log_probs, entropy = log_probs_and_entropy(rows, targets, temperature, with_entropy)
-        return list(log_probs.split(split)), (list(entropy.split(split)) if with_entropy else None)
+        return {"log_probs": list(log_probs.split(split)),
+                "entropy": list(entropy.split(split)) if with_entropy else None}
 
     def _empty_forward(self) -> torch.Tensor:
         """A rank with an empty micro-batch still runs a forward (and backward) of one token with zero
@@ -253,61 +219,45 @@ class FSDPTrainer:
             logits = self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.device)).logits
         return 0.0 * logits.float().sum()
 
-    @torch.no_grad()
-    def _score(self, data: dict, temperature: float, with_entropy: bool):
-        """No-grad log-probs (and entropies) of every local sample, micro-batched as the steps are. CPU fp32."""
-        n = len(data["tokens"])
-        log_probs: list[torch.Tensor | None] = [None] * n
-        entropy: list[torch.Tensor | None] = [None] * n
-        self.model.eval()
-        for step in data["steps"]:
-            for mb in step["micro_batches"]:
+    def run_micro_batches(self, batch: dict, micro_batches: list[list[int]], fn: MicroBatchFn, *,
+                          temperature: float, with_entropy: bool, train: bool) -> list:
+        self.model.train(train)
+        if train:
+            self.optimizer.zero_grad(set_to_none=True)
+        infos = []
+        with contextlib.nullcontext() if train else torch.no_grad():
+            for k, mb in enumerate(micro_batches):
+                if train and self.sharded:  # reduce-scatter once, after the last micro-batch
+                    self.model.set_requires_gradient_sync(k == len(micro_batches) - 1)
                 if not mb:
-                    self._empty_forward()
+                    zero = self._empty_forward()
+                    if train:
+                        zero.backward()
                     continue
-                lps, ents = self._forward([data["tokens"][i] for i in mb], [data["response_lengths"][i] for i in mb],
-                                          temperature, with_entropy)
-                for k, i in enumerate(mb):
-                    log_probs[i] = lps[k].float().cpu()
-                    if with_entropy:
-                        entropy[i] = ents[k].float().cpu()
-        return log_probs, (entropy if with_entropy else None)
-
-    def compute_log_probs(self, data: dict, temperature: float | None = None) -> list[torch.Tensor]:
-        """Current-policy log-probs of every local sample (``(R_i,)`` each, CPU fp32), without gradient."""
-        temperature = self.config.rollout_temperature if temperature is None else temperature
-        return self._score(data, temperature, with_entropy=False)[0]
-
-    def compute_values(self, data: dict) -> dict:
-        """The value model's ``{"values": [(R_i,) ...]}`` for every local sample (CPU fp32, no gradient).
-        Kept for the ``train`` call on the same data that follows (the old values of the value loss)."""
-        self._old_values = {"values": self._score(data, 1.0, with_entropy=False)[0]}
-        return self._old_values
+                outputs = self._forward([batch["tokens"][i] for i in mb], [batch["response_lengths"][i] for i in mb],
+                                        temperature, with_entropy)
+                loss, info = fn(mb, outputs)
+                if train:
+                    loss.backward()
+                infos.append(info)
+        return infos
 
     @contextlib.contextmanager
-    def _reference_weights(self):
+    def reference_weights(self):
         """Swap the reference weights in (LoRA: disable the adapters), restore the current ones after."""
         if self.config.use_lora:
             with self.model.disable_adapter():
                 yield
             return
-        if self._ref_params is None:
-            raise RuntimeError("ref_log_probs was not requested by slime_train_inputs when the trainer was built, "
-                               "so no reference copy exists; train_inputs must not depend on the step")
-        self._reshard()
-        current = {}
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                shard = _local(p)
-                current[name] = shard.detach().to("cpu", copy=True)
-                shard.copy_(self._ref_params[name])
-        try:
+        if self._reference is None:
+            raise missing_reference()
+        with self._reference.swapped_in(self._live_weights):
             yield
-        finally:
-            self._reshard()
-            with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    _local(p).copy_(current[name])
+
+    def _live_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """This rank's parameter tensors (its shards when sharded)."""
+        self._reshard()
+        return ((name, _local(p)) for name, p in self.model.named_parameters())
 
     def _reshard(self) -> None:
         """FSDP2 leaves the root's parameters gathered after a forward; shard them back so that
@@ -319,126 +269,7 @@ class FSDPTrainer:
                 if isinstance(module, FSDPModule):
                     module.reshard()
 
-    # -- one rollout's training ----------------------------------------------------------------------
-    def train(self, rollout_id: int, data: dict, update: bool = True) -> dict[str, float]:
-        """Pre-compute the requested inputs, call the advantage and post-process hooks, then run one optimizer
-        step per ``data["steps"]`` entry (none when ``update`` is False: advantages and returns only).
-        ``data`` may carry another role's per-sample results: ``values`` (from the critic) for the actor,
-        ``returns`` (from the actor) for the critic, which then skips the advantage hook.
-        Returns ``train/*`` metrics (summed over ranks, mean over steps)."""
-        config, role = self.config, self.role
-        inputs = set(self.hooks.slime_train_inputs(config=config, role=role))
-        if self.is_value:  # the old values of the clipped value loss: those just sent to the actor, if any
-            old, self._old_values = getattr(self, "_old_values", None), None
-            data = {**data, **(old if old is not None else self.compute_values(data))}
-        elif "values" in inputs and data.get("values") is None:
-            raise RuntimeError(f"slime_train_inputs asked for 'values' (role {role!r}) but no critic supplied them; "
-                               "the plugin that needs values must return 'critic' from slime_train_roles")
-        temperature = config.rollout_temperature
-        batch = {k: v for k, v in data.items() if k != "steps"}
-        for key in TENSOR_KEYS:
-            if batch.get(key) is not None:
-                batch[key] = [torch.as_tensor(v, dtype=torch.float32) for v in batch[key]]
-
-        metrics: dict[str, float] = {}
-        start = time.perf_counter()
-        if "log_probs" in inputs or "entropy" in inputs:
-            log_probs, entropy = self._score(data, temperature, with_entropy="entropy" in inputs)
-            if "log_probs" in inputs:
-                batch["log_probs"] = log_probs
-            if entropy is not None:
-                batch["entropy"] = entropy
-        if "ref_log_probs" in inputs:
-            with self._reference_weights():
-                batch["ref_log_probs"] = self._score(data, temperature, with_entropy=False)[0]
-        if inputs & {"log_probs", "entropy", "ref_log_probs"}:
-            metrics["perf/log_probs_time"] = time.perf_counter() - start
-        # The engine/trainer log-prob mismatch is measured on the pre-update policy: on the recomputed
-        # log-probs when a plugin asked for them, otherwise on the first optimizer step's own forward
-        # (before that step the model is exactly the policy that generated the rollout).
-        measure_in_first_step = (not self.is_value and batch.get("rollout_log_probs") is not None
-                                 and "log_probs" not in batch)
-        if "log_probs" in batch and batch.get("rollout_log_probs") is not None and data["steps"]:
-            metrics["train/train_rollout_logprob_abs_diff"] = self._logprob_abs_diff(batch, data["steps"][0])
-
-        if batch.get("returns") is None:
-            batch.update(self.hooks.slime_compute_advantages(config=config, role=role, batch=batch))
-        self.hooks.slime_rollout_data_postprocess(config=config, rollout_id=rollout_id, batch=batch)
-        self.outputs = {"returns": [r.detach().float().cpu() for r in batch["returns"]]}
-
-        self.model.train()
-        steps = data["steps"] if update else []
-        start = time.perf_counter()
-        per_step = [self._optimizer_step(batch, step, measure_mismatch=measure_in_first_step and n == 0)
-                    for n, step in enumerate(steps)]
-        for key in {k for m in per_step for k in m}:
-            values = [m[key] for m in per_step if key in m]
-            metrics[key] = sum(values) / len(values)
-        if steps:
-            metrics.update(self._throughput(batch, steps, time.perf_counter() - start))
-        return metrics
-
-    def _throughput(self, batch: dict, steps: list[dict], seconds: float) -> dict[str, float]:
-        """Trained tokens per second (all ranks) and model TFLOP/s per rank (``slimecore.trainers.flops``: forward
-        + backward = 3 forwards; the recompute of activation checkpointing is not useful work, so not counted)."""
-        local = [i for step in steps for mb in step["micro_batches"] for i in mb]
-        lengths = [len(batch["tokens"][i]) for i in local]
-        scored = sum(batch["response_lengths"][i] for i in local)
-        flops = 3 * forward_flops(self.hf_config, lengths, head_tokens=scored, head_size=1 if self.is_value else None)
-        total = self._sum_across_ranks({"tokens": float(sum(lengths)), "flops": flops})
-        return {f"perf/{self.role}_train_tok_per_s": total["tokens"] / seconds,
-                f"perf/{self.role}_train_tflops": total["flops"] / seconds / self.world_size / 1e12}
-
-    def _micro_batch(self, batch: dict, mb: list[int]) -> dict:
-        """Rows ``mb`` of every per-sample list (tensors moved to the device); other values as they are."""
-        n = len(batch["tokens"])
-        out = {}
-        for key, value in batch.items():
-            if isinstance(value, list) and len(value) == n:
-                out[key] = [value[i].to(self.device) if isinstance(value[i], torch.Tensor) else value[i] for i in mb]
-            else:
-                out[key] = value
-        return out
-
-    def _reducer(self, mb_batch: dict, step: dict) -> Reducer:
-        masks = mb_batch["loss_masks"]
-        if self.config.calculate_per_token_loss:
-            return make_token_mean_reducer(masks, step["num_tokens"])
-        return make_sample_mean_reducer(masks, mb_batch["rollout_mask_sums"], step["num_rollouts"])
-
-    def _logprob_abs_diff(self, batch: dict, step: dict) -> float:
-        """``|old log-prob - rollout log-prob|`` reduced like the loss over the first step's samples."""
-        local = [i for mb in step["micro_batches"] for i in mb]
-        mb_batch = self._micro_batch(batch, local)
-        diffs = [(lp - roll).abs() for lp, roll in zip(mb_batch["log_probs"], mb_batch["rollout_log_probs"])]
-        share = self._reducer(mb_batch, step)(diffs).detach().float().cpu()
-        return self._sum_across_ranks({"d": float(share)})["d"]
-
-    def _optimizer_step(self, batch: dict, step: dict, measure_mismatch: bool = False) -> dict[str, float]:
-        config = self.config
-        self.optimizer.zero_grad(set_to_none=True)
-        sums: dict[str, float] = {}
-        micro_batches = step["micro_batches"]
-        for k, mb in enumerate(micro_batches):
-            if self.sharded:  # reduce-scatter once, after the last micro-batch
-                self.model.set_requires_gradient_sync(k == len(micro_batches) - 1)
-            if not mb:
-                self._empty_forward().backward()
-                continue
-            mb_batch = self._micro_batch(batch, mb)
-            log_probs, entropy = self._forward(mb_batch["tokens"], mb_batch["response_lengths"],
-                                               config.rollout_temperature, with_entropy=not self.is_value)
-            outputs = {"values": log_probs} if self.is_value else {"log_probs": log_probs, "entropy": entropy}
-            loss, mb_metrics = self.hooks.slime_loss(config=config, role=self.role, batch=mb_batch, outputs=outputs,
-                                                     reducer=self._reducer(mb_batch, step))
-            loss.backward()
-            if measure_mismatch:
-                reducer = self._reducer(mb_batch, step)
-                diffs = [(lp.detach() - roll).abs() for lp, roll in zip(log_probs, mb_batch["rollout_log_probs"])]
-                mb_metrics = {**mb_metrics, "train_rollout_logprob_abs_diff": reducer(diffs)}
-            for key, value in {"loss": loss.detach(), **mb_metrics}.items():
-                sums[key] = sums.get(key, 0.0) + float(value)
-
+    def optimizer_step(self) -> tuple[float, float]:
         self._all_reduce_grads()
         grad_norm = self._clip_grad()
         lr = self.optimizer.param_groups[0]["lr"]
@@ -447,9 +278,7 @@ class FSDPTrainer:
         else:  # an update with NaN/inf gradients would corrupt the weights for good
             log.warning("gradient norm is %s; skipping this optimizer step", grad_norm)
         self.scheduler.step()
-        metrics = {f"train/{k}": v for k, v in self._sum_across_ranks(sums).items()}
-        metrics.update({"train/grad_norm": grad_norm, "train/lr": lr})
-        return metrics
+        return grad_norm, lr
 
     # -- collectives ---------------------------------------------------------------------------------
     def _all_reduce_grads(self) -> None:
@@ -477,13 +306,13 @@ class FSDPTrainer:
             norm = torch.nn.utils.get_total_norm([p.grad for p in self.params])
         return float(_full(norm))
 
-    def _sum_across_ranks(self, values: dict[str, float]) -> dict[str, float]:
+    def sum_across_ranks(self, values: dict[str, float]) -> dict[str, float]:
         """Sum each key over the ranks; a rank that lacks a key (only empty micro-batches) adds 0."""
         if self.world_size == 1:
             return dict(values)
         gathered: list[dict | None] = [None] * self.world_size
         dist.all_gather_object(gathered, values, group=self.group)
-        return {k: sum(g.get(k, 0.0) for g in gathered) for k in sorted({k for g in gathered for k in g})}
+        return add_up(gathered)
 
     # -- weights and checkpoints ----------------------------------------------------------------------
     def _state_dict(self) -> dict[str, torch.Tensor]:
@@ -558,7 +387,7 @@ class FSDPTrainer:
         if not self.config.no_save_optim and (self.sharded or self.rank == 0):
             torch.save({"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict()},
                        path / self._optimizer_file())
-        self._save_rng(path)
+        save_rng(path, self.rank)
 
     def save_pretrained(self, path: Path) -> None:
         """The model via ``save_pretrained``: the whole model, or with LoRA the adapter only (peft's layout).
@@ -567,28 +396,6 @@ class FSDPTrainer:
         state = self._state_dict() if self.sharded else None  # gathering shards is a collective
         if self.rank == 0:
             self.model.save_pretrained(path, state_dict=state, safe_serialization=True)
-
-    def _rng_state(self) -> dict:
-        rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state()}
-        if torch.cuda.is_available():
-            rng["cuda"] = torch.cuda.get_rng_state()
-        return rng
-
-    def _set_rng_state(self, rng: dict) -> None:
-        torch.set_rng_state(rng["torch"])
-        random.setstate(rng["python"])
-        np.random.set_state(rng["numpy"])
-        if "cuda" in rng and torch.cuda.is_available():
-            torch.cuda.set_rng_state(rng["cuda"])
-
-    def _save_rng(self, path: Path) -> None:
-        torch.save(self._rng_state(), path / f"rng_rank{self.rank}.pt")
-
-    def _load_rng(self, path: Path) -> None:
-        """This rank's RNG from ``rng_rank{r}.pt`` when the checkpoint has one (another DP size may not)."""
-        rng_file = path / f"rng_rank{self.rank}.pt"
-        if rng_file.is_file():
-            self._set_rng_state(torch.load(rng_file, weights_only=False))
 
     def _optimizer_file(self) -> str:
         # replica ranks hold identical optimizer state, so one file serves all; FSDP2 shards it per rank
@@ -619,7 +426,7 @@ class FSDPTrainer:
         elif not self.config.no_save_optim:
             raise FileNotFoundError(f"{opt_file} is missing; the checkpoint was saved with --no-save-optim? "
                                     "Pass --no-save-optim to resume with a fresh optimizer")
-        self._load_rng(path)
+        load_rng(path, self.rank)
 
     def _load_state(self, state: dict[str, torch.Tensor], where: str) -> None:
         trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}

@@ -1,11 +1,7 @@
 """The ``megatron`` training backend (``--train-backend megatron``): megatron-core trains a GPT model that the
-model bridge builds from the HF config (``slime_model_bridge``; ``--plugin models`` answers for Qwen2/2.5, Qwen3,
-Qwen3-MoE, Llama 3, GLM-4.5 and DeepSeek V3, mbridge underneath), starting from the ``--hf-checkpoint`` weights.
-
-What a bridge must provide (``bridge.megatron(hf_config, dtype=, overrides=)``, called after
-``parallel_state`` is initialised, returns an object with): ``config`` (the ``TransformerConfig``), ``packing``
-(``"thd"`` or ``"mask"``, below), ``build(ddp_config) -> [chunk]``, ``load_hf_weights(chunks, directory)`` and
-``export_hf_weights(chunks) -> iter((hf_name, tensor))`` (collective over TP/PP/EP; every rank gets every tensor).
+model bridge builds from the HF config (``slimecore.trainers.megatron_model``), starting from the
+``--hf-checkpoint`` weights. It implements ``slimecore.trainers.backend.TrainBackend``; the training step around
+it (hooks, reducer, metrics) is ``slimecore.trainers.trainer``, the same as for fsdp.
 
 Parallelism follows Megatron's flags, as in slime: ``--tensor-model-parallel-size``, ``--pipeline-model-parallel-size``,
 ``--expert-model-parallel-size``, ``--sequence-parallel``, ``--use-distributed-optimizer``, ``--recompute-*``,
@@ -26,16 +22,14 @@ computed in fp32 across the TP shards (all-reduce of the max, of sum(exp), of th
 sum(p z); the backward is Megatron's identity for replicated losses). Sample i's response tokens ``[start, end)``
 are scored by stream rows ``[start - 1, end - 1)``, as in the fsdp backend.
 
-Loss. The same hooks as the fsdp backend (``slime_train_inputs``, ``slime_compute_advantages``,
-``slime_rollout_data_postprocess``, ``slime_loss`` with a ``Reducer``); this class reuses ``FSDPTrainer.train``
-for that orchestration and replaces the model-specific parts. A reducer's share ``J_mb`` adds up to the step
-objective over micro-batches and DP ranks. Megatron's schedule divides a loss function's output by the rank's
-micro-batch count K, and DDP averages gradients over DP x CP, so the loss function returns ``J_mb * K * DP``
-(slime's ``loss_function`` scales the same way): the gradient is exactly ``sum grad J_mb``, as in fsdp.
+Loss. A reducer's share ``J_mb`` adds up to the step objective over micro-batches and DP ranks. Megatron's
+schedule divides a loss function's output by the rank's micro-batch count K, and DDP averages gradients over
+DP x CP, so the loss function returns ``J_mb * K * DP`` (slime's ``loss_function`` scales the same way): the
+gradient is exactly ``sum grad J_mb``, as in fsdp.
 
 Optimizer. Megatron's (torch ``AdamW`` without Apex/TE; fp32 main params with ``--bf16``; sharded over DP with
 ``--use-distributed-optimizer``); the global gradient norm is clipped to ``--clip-grad`` and a non-finite norm
-skips the step, as in fsdp; the LR follows ``slimecore.trainers.fsdp.lr_lambda``. One difference from fsdp:
+skips the step, as in fsdp; the LR follows ``slimecore.trainers.backend.lr_lambda``. One difference from fsdp:
 Megatron exempts biases and norm weights from weight decay (the default ``--weight-decay`` is 0).
 
 Weights for the engines: the bridge's HF-named export, in buckets of ``WEIGHT_BUCKET_BYTES`` (slime's
@@ -47,8 +41,6 @@ LR-schedule position, the bridge shape (``megatron_checkpoint.json``) and each r
 from __future__ import annotations
 
 import contextlib
-import dataclasses
-import json
 import logging
 import math
 from dataclasses import dataclass
@@ -59,22 +51,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from slimecore.checkpoint import atomic_write_text
-from slimecore.config import ConfigError
 from slimecore.megatron_args import megatron_overrides
-from slimecore.trainers.fsdp import FSDPTrainer, lr_lambda
+from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
+                                        save_rng, training_device)
+from slimecore.trainers.megatron_model import (BridgedModel, MegatronSetupError, check_shape, find_bridge,
+                                               init_parallel, read_checkpoint_meta, write_checkpoint_meta)
 
 log = logging.getLogger("slimecore.megatron")
 
 WEIGHT_BUCKET_BYTES = 512 << 20
-CHECKPOINT_META = "megatron_checkpoint.json"
 # The distributed optimizer's state as its own buffers: reshardable over DP only. In megatron-core 0.16.1 the
 # default (fully_sharded_model_space) cannot be loaded and fully_reshardable fails on torch AdamW's "step" state.
 OPTIMIZER_LAYOUT = {"distrib_optim_sharding_type": "dp_reshardable"}
-
-
-class MegatronSetupError(ConfigError):
-    """A configuration the megatron backend cannot run; the message names the flag and what to do."""
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -127,107 +115,6 @@ def check_startup(config, hooks) -> None:
         raise MegatronSetupError("a plugin asks for a critic (slime_train_roles); value models run on the fsdp "
                                  "backend only for now: use --train-backend fsdp")
     find_bridge(config, hooks, AutoConfig.from_pretrained(config.hf_checkpoint))
-
-
-def find_bridge(config, hooks, hf_config):
-    bridge = hooks.slime_model_bridge(config=config, hf_config=hf_config)
-    architectures = getattr(hf_config, "architectures", None)
-    if bridge is None:
-        raise MegatronSetupError(
-            f"no active plugin answers slime_model_bridge for architectures {architectures} of "
-            f"{config.hf_checkpoint}; add --plugin models (Qwen2/2.5, Qwen3, Qwen3-MoE, Llama, GLM-4.5, DeepSeek V3) "
-            "or a plugin with a bridge for it")
-    if not callable(getattr(bridge, "megatron", None)):
-        raise MegatronSetupError(f"the bridge answered for {architectures} ({type(bridge).__name__}) has no "
-                                 "megatron(hf_config, dtype=, overrides=) method, so it cannot build a Megatron model")
-    return bridge
-
-
-def init_parallel(config, rank: int = 0, world_size: int = 1) -> None:
-    """torch.distributed (a one-rank gloo group when the caller has none) and Megatron's parallel state."""
-    from megatron.core import parallel_state
-
-    if not torch.cuda.is_available():
-        try:
-            torch.cuda.current_device()
-        except (AssertionError, RuntimeError) as exc:
-            raise MegatronSetupError(
-                "--train-backend megatron needs CUDA: megatron-core calls CUDA APIs throughout. On a CPU-only "
-                "machine it runs only under the test shim (tests/megatron/cpu_plugin.py); use --train-backend "
-                f"fsdp here ({exc})") from None
-    if not dist.is_initialized():
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if world_size == 1:
-            dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
-        else:  # launched by torchrun: MASTER_ADDR / MASTER_PORT in the environment
-            dist.init_process_group(backend, rank=rank, world_size=world_size)
-    sizes = dict(tensor_model_parallel_size=config.tensor_model_parallel_size,
-                 pipeline_model_parallel_size=config.pipeline_model_parallel_size,
-                 context_parallel_size=config.context_parallel_size,
-                 expert_model_parallel_size=config.expert_model_parallel_size)
-    if parallel_state.model_parallel_is_initialized():
-        parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(**sizes)
-    if torch.cuda.is_available():
-        from megatron.core import tensor_parallel
-
-        tensor_parallel.model_parallel_cuda_manual_seed(config.seed)
-
-
-def transformer_overrides(config) -> dict:
-    """``TransformerConfig`` fields from slime's Megatron flags."""
-    bf16 = bool(config.bf16)
-    overrides = {"sequence_parallel": bool(config.sequence_parallel), "bf16": bf16,
-                 "params_dtype": torch.bfloat16 if bf16 else torch.float32,
-                 "pipeline_dtype": torch.bfloat16 if bf16 else torch.float32}
-    if config.recompute_granularity:
-        overrides.update(recompute_granularity=config.recompute_granularity,
-                         recompute_method=config.recompute_method, recompute_num_layers=config.recompute_num_layers)
-    return {**megatron_overrides(config, "transformer"), **overrides}
-
-
-def build_model(config, hooks, hf_dir: str, ddp_config: dict | None = None, load_weights: bool = True):
-    """(bridge, megatron runtime, chunks) for the HF config in ``hf_dir``, its HF weights loaded unless
-    ``load_weights`` is False, in the current parallel state."""
-    from transformers import AutoConfig
-
-    hf_config = AutoConfig.from_pretrained(hf_dir)
-    bridge = find_bridge(config, hooks, hf_config)
-    tp = config.tensor_model_parallel_size
-    if hf_config.vocab_size % tp:
-        raise MegatronSetupError(f"vocab size {hf_config.vocab_size} of {hf_dir} is not divisible by "
-                                 f"--tensor-model-parallel-size {tp}; padded vocabulary rows would change the "
-                                 "softmax, so they are not added")
-    runtime = bridge.megatron(hf_config, dtype=torch.bfloat16 if config.bf16 else torch.float32,
-                              overrides=transformer_overrides(config))
-    chunks = runtime.build(ddp_config)
-    if load_weights:
-        runtime.load_hf_weights(chunks, hf_dir)
-    return bridge, runtime, chunks
-
-
-def unwrap(module: torch.nn.Module) -> torch.nn.Module:
-    while hasattr(module, "module"):  # DDP, Float16Module
-        module = module.module
-    return module
-
-
-def shape_dict(bridge) -> dict:
-    return dataclasses.asdict(bridge) if dataclasses.is_dataclass(bridge) else dict(vars(bridge))
-
-
-def model_sharded_state_dict(chunks) -> dict:
-    if len(chunks) != 1:
-        raise MegatronSetupError("virtual pipeline stages are not supported")
-    return {"model": unwrap(chunks[0]).sharded_state_dict()}
-
-
-def write_checkpoint_meta(directory: Path, bridge, config, **extra) -> None:
-    meta = {"format": "torch_dist", "architecture": getattr(bridge, "architecture", None), "shape": shape_dict(bridge),
-            "tensor_model_parallel_size": config.tensor_model_parallel_size,
-            "pipeline_model_parallel_size": config.pipeline_model_parallel_size,
-            "expert_model_parallel_size": config.expert_model_parallel_size, **extra}
-    atomic_write_text(directory / CHECKPOINT_META, json.dumps(meta, indent=1))  # other ranks may be reading it
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -307,43 +194,40 @@ def vocab_parallel_log_probs(logits: torch.Tensor, targets: torch.Tensor, temper
 
 
 # ---------------------------------------------------------------------------------------------------
-# The trainer
+# The backend
 # ---------------------------------------------------------------------------------------------------
 
-class MegatronTrainer(FSDPTrainer):
-    """One rank of the actor. Inherits ``train`` (hook orchestration), ``_micro_batch``, ``_reducer``,
-    ``_logprob_abs_diff`` and ``compute_log_probs`` from ``FSDPTrainer``; replaces the model, the forward, the
-    optimizer step, the weight export and the checkpoints. The caller has initialised torch.distributed when
-    ``world_size`` > 1 (``process_group`` is ignored: Megatron makes its own groups from the world group)."""
+class MegatronBackend:
+    """The megatron ``TrainBackend`` of one rank (see ``slimecore.trainers.backend``): a policy only (no value
+    model, no LoRA). The caller has initialised torch.distributed when ``world_size`` > 1; Megatron makes its
+    own groups from the world group."""
 
-    def __init__(self, config, hooks, rank: int = 0, world_size: int = 1, role: str = "actor", process_group=None):
+    def __init__(self, config, hooks, *, rank: int = 0, world_size: int = 1, value_model: bool = False,
+                 keep_reference: bool = False):
         from megatron.core import parallel_state
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
         from megatron.core.utils import get_model_config
         from transformers import AutoConfig
 
-        if role != "actor":
-            raise MegatronSetupError(f"role {role!r}: the megatron backend trains the actor only; value models "
-                                     "(critic) need --train-backend fsdp")
+        if value_model:
+            raise MegatronSetupError("the megatron backend has no value model (a critic); use --train-backend fsdp")
         check_config(config, world_size)
-        self.config, self.hooks, self.rank, self.world_size, self.role = config, hooks, rank, world_size, role
-        self.is_value, self.outputs = False, {}
-        self.device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else \
-            torch.device("cpu")
+        self.config, self.rank, self.world_size = config, rank, world_size
+        self.device = training_device()
         init_parallel(config, rank, world_size)
         self.dp_size = parallel_state.get_data_parallel_world_size()
         self.tp_size = parallel_state.get_tensor_model_parallel_world_size()
         ddp = {"use_distributed_optimizer": bool(config.use_distributed_optimizer), "grad_reduce_in_fp32": True,
                "overlap_grad_reduce": False, "overlap_param_gather": False, **megatron_overrides(config, "ddp")}
-        self.bridge, self.runtime, self.chunks = build_model(config, hooks, config.hf_checkpoint, ddp)
+        self.model = BridgedModel.build(config, hooks, config.hf_checkpoint, ddp)
+        self.chunks = self.model.chunks
         self.hf_config = AutoConfig.from_pretrained(config.hf_checkpoint)  # for the FLOPs figures
-        self.model = torch.nn.ModuleList(self.chunks)  # .train() / .eval() for the inherited code
-        # collective weight export: every TP/PP/EP rank must take part
-        self.sharded = parallel_state.get_model_parallel_group().size() > 1 or config.expert_model_parallel_size > 1
-        self._ref_params: dict[str, torch.Tensor] | None = None
-        if "ref_log_probs" in set(hooks.slime_train_inputs(config=config, role=role)):
-            self._ref_params = {n: p.detach().to("cpu", copy=True) for n, p in self.model.named_parameters()}
+        self.modules = torch.nn.ModuleList(self.chunks)  # .train() / .eval() and named_parameters of every chunk
+        # the weight export gathers over TP/PP/EP: every rank of those groups must take part
+        self.collective_export = (parallel_state.get_model_parallel_group().size() > 1
+                                  or config.expert_model_parallel_size > 1)
+        self._reference = ReferenceCopy(self.modules.named_parameters()) if keep_reference else None
         passed = {"optimizer": "adam", **megatron_overrides(config, "optimizer")}  # e.g. --optimizer sgd
         optimizer_config = OptimizerConfig(
             **passed, lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
@@ -358,26 +242,51 @@ class MegatronTrainer(FSDPTrainer):
         self.lr_factor = lr_lambda(config)
         self.iteration = 0  # optimizer steps taken (the LR schedule's position)
 
-    # -- forward ---------------------------------------------------------------------------------
+    # -- forward and backward --------------------------------------------------------------------
     def _pack(self, tokens, response_lengths) -> Packed:
-        return pack(tokens, response_lengths, self.runtime.packing, self.tp_size, self.device)
+        return pack(tokens, response_lengths, self.model.runtime.packing, self.tp_size, self.device)
 
-    def _response_outputs(self, logits: torch.Tensor, packed: Packed, temperature: float, with_entropy: bool):
+    def _response_outputs(self, logits: torch.Tensor, packed: Packed, temperature: float, with_entropy: bool) -> dict:
         rows = logits[0, packed.rows]  # (N, V/tp)
         log_probs, entropy = vocab_parallel_log_probs(rows, packed.targets, temperature, with_entropy)
         sizes = packed.response_lengths
-        return list(log_probs.split(sizes)), (list(entropy.split(sizes)) if with_entropy else None)
+        return {"log_probs": list(log_probs.split(sizes)),
+                "entropy": list(entropy.split(sizes)) if with_entropy else None}
 
-    def _run(self, items: list, loss_fn, forward_only: bool) -> list:
-        """Megatron's schedule over ``items`` (``(Packed, context)`` pairs); ``loss_fn(logits, packed, context)``
+    def run_micro_batches(self, batch: dict, micro_batches: list[list[int]], fn: MicroBatchFn, *,
+                          temperature: float, with_entropy: bool, train: bool) -> list:
+        scale = len(micro_batches) * self.dp_size  # cancels Megatron's 1/K and DDP's 1/DP (module docstring)
+
+        def loss_fn(logits, packed, mb):
+            info = None
+            if mb:
+                loss, info = fn(mb, self._response_outputs(logits, packed, temperature, with_entropy))
+            if not train:
+                return logits.new_zeros(()), info
+            return (loss * scale if mb else 0.0 * logits.float().sum()), info  # empty: same collectives, no loss
+
+        items = [(self._pack([batch["tokens"][i] for i in mb], [batch["response_lengths"][i] for i in mb]), mb)
+                 for mb in micro_batches]
+        self.modules.train(train)
+        if train:
+            for chunk in self.chunks:
+                chunk.zero_grad_buffer()
+            self.optimizer.zero_grad()
+        with contextlib.nullcontext() if train else torch.no_grad():
+            infos = [info for info in (self._schedule(items, loss_fn, forward_only=not train) if items else [])
+                     if info is not None]
+        return infos if train else self._from_last_stage(infos)
+
+    def _schedule(self, items: list, loss_fn, forward_only: bool) -> list:
+        """Megatron's schedule over ``items`` (``(Packed, micro-batch)`` pairs); ``loss_fn(logits, packed, mb)``
         returns ``(loss, info)`` on the last pipeline stage. Returns the last stage's infos (other stages: [])."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         def forward_step(data_iterator, model):
-            packed, context = next(data_iterator)
+            packed, mb = next(data_iterator)
             logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
                            attention_mask=packed.attention_mask, packed_seq_params=packed.packed_seq_params)
-            return logits, lambda output: loss_fn(output, packed, context)
+            return logits, lambda output: loss_fn(output, packed, mb)
 
         longest = max(item[0].input_ids.shape[1] for item in items)
         return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(items),
@@ -395,98 +304,26 @@ class MegatronTrainer(FSDPTrainer):
                                    group=parallel_state.get_pipeline_model_parallel_group())
         return box[0]
 
-    @torch.no_grad()
-    def _score(self, data: dict, temperature: float, with_entropy: bool):
-        """No-grad per-sample log-probs (and entropies) of every local sample, micro-batched as the steps are."""
-        n = len(data["tokens"])
-        items = [(self._pack([data["tokens"][i] for i in mb], [data["response_lengths"][i] for i in mb]), mb)
-                 for step in data["steps"] for mb in step["micro_batches"]]
-        log_probs: list = [None] * n
-        entropy: list = [None] * n
-
-        def score(logits, packed, mb):
-            if not mb:
-                return logits.new_zeros(()), {"mb": [], "log_probs": [], "entropy": []}
-            lps, ents = self._response_outputs(logits, packed, temperature, with_entropy)
-            return logits.new_zeros(()), {"mb": mb, "log_probs": [x.cpu() for x in lps],
-                                          "entropy": [x.cpu() for x in ents] if ents else None}
-
-        self.model.eval()
-        results = self._from_last_stage(self._run(items, score, forward_only=True) if items else [])
-        for result in results:
-            for k, i in enumerate(result["mb"]):
-                log_probs[i] = result["log_probs"][k]
-                if with_entropy:
-                    entropy[i] = result["entropy"][k]
-        return log_probs, (entropy if with_entropy else None)
-
-    def compute_values(self, data: dict) -> dict:
-        raise MegatronSetupError("the megatron backend has no value model; use --train-backend fsdp for a critic")
-
-    @contextlib.contextmanager
-    def _reference_weights(self):
+    def reference_weights(self):
         """The initial weights swapped in for one forward, the current ones restored after."""
-        if self._ref_params is None:
-            raise RuntimeError("ref_log_probs was not requested by slime_train_inputs when the trainer was built")
-        current = {}
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                current[name] = p.detach().to("cpu", copy=True)
-                p.copy_(self._ref_params[name])
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for name, p in self.model.named_parameters():
-                    p.copy_(current[name])
+        if self._reference is None:
+            raise missing_reference()
+        return self._reference.swapped_in(self.modules.named_parameters)
 
-    # -- one optimizer step ----------------------------------------------------------------------------
-    def _optimizer_step(self, batch: dict, step: dict, measure_mismatch: bool = False) -> dict[str, float]:
-        config = self.config
-        micro_batches = step["micro_batches"]
-        scale = len(micro_batches) * self.dp_size  # cancels Megatron's 1/K and DDP's 1/DP (module docstring)
-
-        def loss_fn(logits, packed, mb):
-            if mb is None:  # an empty micro-batch: same collectives, no loss
-                return 0.0 * logits.float().sum(), {}
-            mb_batch = self._micro_batch(batch, mb)
-            log_probs, entropy = self._response_outputs(logits, packed, config.rollout_temperature, True)
-            reducer = self._reducer(mb_batch, step)
-            loss, metrics = self.hooks.slime_loss(config=config, role=self.role, batch=mb_batch,
-                                                  outputs={"log_probs": log_probs, "entropy": entropy}, reducer=reducer)
-            info = {k: float(v) for k, v in {"loss": loss.detach(), **metrics}.items()}
-            if measure_mismatch:
-                diffs = [(lp.detach() - roll).abs() for lp, roll in zip(log_probs, mb_batch["rollout_log_probs"])]
-                info["train_rollout_logprob_abs_diff"] = float(reducer(diffs))
-            return loss * scale, info
-
-        items = [(self._pack([batch["tokens"][i] for i in mb], [batch["response_lengths"][i] for i in mb]), mb or None)
-                 for mb in micro_batches]
-        for chunk in self.chunks:
-            chunk.zero_grad_buffer()
-        self.optimizer.zero_grad()
-        lr = self.config.lr * self.lr_factor(self.iteration)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        sums: dict[str, float] = {}
-        for info in self._run(items, loss_fn, forward_only=False):
-            for key, value in info.items():
-                sums[key] = sums.get(key, 0.0) + value
-        grad_norm = self._step()
-        self.iteration += 1
-        metrics = {f"train/{k}": v for k, v in self._sum_across_ranks(sums).items()}
-        metrics.update({"train/grad_norm": grad_norm, "train/lr": lr})
-        return metrics
-
-    def _step(self) -> float:
+    # -- the optimizer -------------------------------------------------------------------------------
+    def optimizer_step(self) -> tuple[float, float]:
         """Megatron's optimizer step, split so that a non-finite gradient norm skips the update (as fsdp does)."""
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
 
+        lr = self.config.lr * self.lr_factor(self.iteration)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.iteration += 1
         found_inf = self.optimizer.prepare_grads()
         grad_norm = float(self.optimizer.get_grad_norm())
         if found_inf or not math.isfinite(grad_norm):
             log.warning("gradient norm is %s; skipping this optimizer step", grad_norm)
-            return grad_norm
+            return grad_norm, lr
         if self.config.clip_grad > 0:  # as ChainedOptimizer.step clips each part by the global norm
             for optimizer in getattr(self.optimizer, "chained_optimizers", [self.optimizer]):
                 parameters = optimizer.get_parameters()
@@ -494,9 +331,9 @@ class MegatronTrainer(FSDPTrainer):
                     clip_grad_by_total_norm_fp32(parameters, self.config.clip_grad, grad_norm,
                                                  optimizer.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
         self.optimizer.step_with_ready_grads()
-        return grad_norm
+        return grad_norm, lr
 
-    def _sum_across_ranks(self, values: dict[str, float]) -> dict[str, float]:
+    def sum_across_ranks(self, values: dict[str, float]) -> dict[str, float]:
         """Sum over the data-parallel replicas: one contribution per DP rank (TP rank 0 of the last stage)."""
         from megatron.core import parallel_state
 
@@ -506,23 +343,15 @@ class MegatronTrainer(FSDPTrainer):
                   == 0 and parallel_state.is_pipeline_last_stage())
         gathered: list = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, values if speaks else None)
-        gathered = [g for g in gathered if g is not None]
-        return {k: sum(g.get(k, 0.0) for g in gathered) for k in sorted({k for g in gathered for k in g})}
+        return add_up(g for g in gathered if g is not None)
 
     # -- weights and checkpoints ---------------------------------------------------------------------
     def hf_weight_buckets(self, bucket_bytes: int = WEIGHT_BUCKET_BYTES) -> Iterator[list[tuple[str, torch.Tensor]]]:
-        """HF-named full tensors in buckets of at most ``bucket_bytes`` (one oversized tensor is a bucket of its
-        own). Collective: every rank of the model-parallel group iterates it."""
-        bucket, size = [], 0
-        for name, tensor in self.runtime.export_hf_weights(self.chunks):
-            nbytes = tensor.numel() * tensor.element_size()
-            if bucket and size + nbytes > bucket_bytes:
-                yield bucket
-                bucket, size = [], 0
-            bucket.append((name, tensor.detach().to("cpu", copy=True)))
-            size += nbytes
-        if bucket:
-            yield bucket
+        """HF-named full tensors on CPU in buckets of at most ``bucket_bytes`` (one oversized tensor is a bucket
+        of its own). Collective: every rank of the model-parallel group iterates it (and gets every bucket)."""
+        from slimecore.engines.weight_sync import bucketize
+
+        return bucketize(self.model.hf_weights(), bucket_bytes)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """Every HF-named weight on CPU (rank 0; other ranks take part in the gathers and get an empty dict)."""
@@ -535,32 +364,26 @@ class MegatronTrainer(FSDPTrainer):
     def save(self, directory: str) -> None:
         """``directory``: torch_dist model (+ optimizer unless ``--no-save-optim``), ``megatron_checkpoint.json``
         (bridge shape, parallel sizes, step) and ``rng_rank{r}.pt``. Collective."""
-        from megatron.core import dist_checkpointing
-
         path = Path(directory)
-        path.mkdir(parents=True, exist_ok=True)
-        state = model_sharded_state_dict(self.chunks)
+        state = self.model.torch_dist_state()
         if not self.config.no_save_optim:
             state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], metadata=OPTIMIZER_LAYOUT)
-        (path / "torch_dist").mkdir(exist_ok=True)
-        dist_checkpointing.save(state, str(path / "torch_dist"))
+        self.model.save_torch_dist(path, state)
         if self.rank == 0:
-            write_checkpoint_meta(path, self.bridge, self.config, iteration=self.iteration,
+            write_checkpoint_meta(path, self.model.bridge, self.config, iteration=self.iteration,
                                   optimizer=not self.config.no_save_optim, hf_checkpoint=self.config.hf_checkpoint,
                                   use_distributed_optimizer=bool(self.config.use_distributed_optimizer),
                                   bf16=bool(self.config.bf16))
-        self._save_rng(path)
+        save_rng(path, self.rank, **self._tracker_rng())
         dist.barrier()
 
     def load(self, directory: str) -> None:
         """Restore what ``save`` wrote (any TP/PP/DP layout: torch_dist reshards). The reference policy stays the
         initial checkpoint."""
-        from megatron.core import dist_checkpointing
-
         path = Path(directory)
         meta = read_checkpoint_meta(path)
-        check_shape(meta, self.bridge, str(path))
-        state = model_sharded_state_dict(self.chunks)
+        check_shape(meta, self.model.bridge, str(path))
+        state = self.model.torch_dist_state()
         with_optimizer = meta.get("optimizer", False) and not self.config.no_save_optim
         if not meta.get("optimizer", False) and not self.config.no_save_optim:
             raise FileNotFoundError(f"{path} was saved with --no-save-optim (no optimizer state); pass --no-save-optim "
@@ -577,30 +400,33 @@ class MegatronTrainer(FSDPTrainer):
             self._materialize_optimizer_state()
             state["optimizer"] = self.optimizer.sharded_state_dict(state["model"], is_loading=True,
                                                                    metadata=OPTIMIZER_LAYOUT)
-        loaded = dist_checkpointing.load(state, str(path / "torch_dist"))
-        unwrap(self.chunks[0]).load_state_dict(loaded["model"])
+        loaded = self.model.load_torch_dist(path, state)
         if with_optimizer:
             with torch.no_grad():  # megatron copies into fp32 main params that require grad
                 self.optimizer.load_state_dict(loaded["optimizer"])
         else:
             self.optimizer.reload_model_params()
         self.iteration = int(meta.get("iteration", 0))
-        self._load_rng(path)
-
-    def _rng_state(self) -> dict:
-        rng = super()._rng_state()
-        if torch.cuda.is_available():  # Megatron's model-parallel RNG streams (dropout in TP regions)
-            from megatron.core import tensor_parallel
-
-            rng["tracker"] = tensor_parallel.get_cuda_rng_tracker().get_states()
-        return rng
-
-    def _set_rng_state(self, rng: dict) -> None:
-        super()._set_rng_state(rng)
+        rng = load_rng(path, self.rank)
         if "tracker" in rng and torch.cuda.is_available():
             from megatron.core import tensor_parallel
 
             tensor_parallel.get_cuda_rng_tracker().set_states(rng["tracker"])
+
+    def _tracker_rng(self) -> dict:
+        """Megatron's model-parallel RNG streams (dropout in TP regions), on CUDA."""
+        if not torch.cuda.is_available():
+            return {}
+        from megatron.core import tensor_parallel
+
+        return {"tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+
+    # -- colocate offload ----------------------------------------------------------------------------
+    def offload(self) -> None:
+        """Not written yet: ``--offload-train`` with this backend is refused at start-up (``slimecore.config``)."""
+        raise MegatronSetupError("--offload-train is not implemented for --train-backend megatron yet")
+
+    onload = offload
 
     def _materialize_optimizer_state(self) -> None:
         """Before any step torch's AdamW has no state (no ``step``, no moments), and Megatron cannot describe a
@@ -615,22 +441,3 @@ class MegatronTrainer(FSDPTrainer):
                     p.grad = torch.zeros_like(p)
             inner.step()
             inner.zero_grad()
-
-
-def read_checkpoint_meta(path: Path) -> dict:
-    file = path / CHECKPOINT_META
-    if not file.is_file():
-        raise FileNotFoundError(f"{path} has no {CHECKPOINT_META}; it is not a checkpoint written by the megatron "
-                                "backend or `slime-core convert hf-to-megatron` (an fsdp checkpoint holds "
-                                "model.safetensors instead: resume it with --train-backend fsdp)")
-    return json.loads(file.read_text())
-
-
-def check_shape(meta: dict, bridge, where: str) -> None:
-    """The checkpoint's recorded model shape must equal the bridge's; every differing field is named."""
-    current = json.loads(json.dumps(shape_dict(bridge)))  # as stored: tuples become lists
-    saved = meta.get("shape", {})
-    diffs = [f"--{k.replace('_', '-')}: checkpoint {saved.get(k)!r}, HF config {current.get(k)!r}"
-             for k in sorted(set(saved) | set(current)) if saved.get(k) != current.get(k)]
-    if diffs:
-        raise ValueError(f"checkpoint {where} was saved for a different model than the HF config: " + "; ".join(diffs))

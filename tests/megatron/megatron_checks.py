@@ -104,28 +104,29 @@ def single_process(rank: int, world: int, checkpoint: str, save_dir: str, more_a
     from megatron.core.tensor_parallel.mappings import gather_from_tensor_model_parallel_region
     from safetensors.torch import load_file
 
-    from slimecore.trainers.fsdp import FSDPTrainer
-    from slimecore.trainers.megatron import MegatronTrainer
+    from slimecore.trainers.trainer import Trainer
 
     config = grpo_config(checkpoint, lr_warmup_iters=3)
     hooks = _hooks()
     data = rank_part(synthetic_batch(), 1, 0)
     torch.manual_seed(0)
-    fsdp = FSDPTrainer(config, hooks)
-    trainer = MegatronTrainer(config, hooks, rank=rank, world_size=world)
-    packed = trainer._pack(data["tokens"], data["response_lengths"])
+    fsdp = Trainer(config, hooks, backend="fsdp")
+    trainer = Trainer(config, hooks, rank=rank, world_size=world, backend="megatron")
+    packed = trainer.backend._pack(data["tokens"], data["response_lengths"])
     with torch.no_grad():
-        stream = trainer.chunks[0](input_ids=packed.input_ids, position_ids=packed.position_ids,
+        stream = trainer.backend.chunks[0](input_ids=packed.input_ids, position_ids=packed.position_ids,
                                    attention_mask=packed.attention_mask)[0]  # (T, V/tp)
     stream = gather_from_tensor_model_parallel_region(stream)  # (T, V)
     hf_log_probs, hf_logits = hf_response_log_probs(checkpoint, data, config.rollout_temperature)
     offsets = [0]
     for seq in data["tokens"]:
         offsets.append(offsets[-1] + len(seq))
-    megatron_log_probs, megatron_entropy = trainer._score(data, config.rollout_temperature, with_entropy=True)
-    fsdp_log_probs, fsdp_entropy = fsdp._score(data, config.rollout_temperature, with_entropy=True)
-    exported = trainer.named_weights()
-    buckets = list(trainer.hf_weight_buckets(bucket_bytes=64 << 10))  # what a bucketed engine sync sends
+    megatron_scored = trainer.score(data, config.rollout_temperature, with_entropy=True)
+    megatron_log_probs, megatron_entropy = megatron_scored["log_probs"], megatron_scored["entropy"]
+    fsdp_scored = fsdp.score(data, config.rollout_temperature, with_entropy=True)
+    fsdp_log_probs, fsdp_entropy = fsdp_scored["log_probs"], fsdp_scored["entropy"]
+    exported = trainer.backend.named_weights()
+    buckets = list(trainer.backend.hf_weight_buckets(bucket_bytes=64 << 10))  # what a bucketed engine sync sends
     original = load_file(str(Path(checkpoint) / "model.safetensors"))
     out = {"logits_vs_hf": max(float((stream[a:b] - ref).abs().max())
                                for a, b, ref in zip(offsets, offsets[1:], hf_logits)),
@@ -141,29 +142,30 @@ def single_process(rank: int, world: int, checkpoint: str, save_dir: str, more_a
     second = rank_part(synthetic_batch(seed=2), 1, 0)
     out["fsdp_step"] = fsdp.train(0, copy.deepcopy(data))
     out["megatron_step"] = trainer.train(0, copy.deepcopy(data))
-    fsdp_weights, weights = fsdp.named_weights(), trainer.named_weights()
+    fsdp_weights, weights = fsdp.backend.named_weights(), trainer.backend.named_weights()
     names = sorted(weights)
     out["weights_vs_fsdp"] = _max_diff([weights[k] for k in names], [fsdp_weights[k] for k in names])
-    trainer.save(save_dir)
+    trainer.backend.save(save_dir)
     out["continued"] = trainer.train(1, copy.deepcopy(second))
-    continued_weights = trainer.named_weights()
+    continued_weights = trainer.backend.named_weights()
     del trainer
-    resumed = MegatronTrainer(config, hooks, rank=rank, world_size=world)
-    resumed.load(save_dir)
-    out["resumed_iteration"] = resumed.iteration
+    resumed = Trainer(config, hooks, rank=rank, world_size=world, backend="megatron")
+    resumed.backend.load(save_dir)
+    out["resumed_iteration"] = resumed.backend.iteration
     out["resumed"] = resumed.train(1, copy.deepcopy(second))
-    resumed_weights = resumed.named_weights()
+    resumed_weights = resumed.backend.named_weights()
     out["resumed_weights_equal"] = all(torch.equal(continued_weights[k], resumed_weights[k]) for k in continued_weights)
     out["files"] = sorted(p.name for p in Path(save_dir).iterdir())
     if bf16:
         config = grpo_config(checkpoint, bf16=True)
-        trainer, fsdp = MegatronTrainer(config, hooks, rank=rank, world_size=world), FSDPTrainer(config, hooks)
+        trainer = Trainer(config, hooks, rank=rank, world_size=world, backend="megatron")
+        fsdp = Trainer(config, hooks, backend="fsdp")
         pairs = zip(trainer.compute_log_probs(data), fsdp.compute_log_probs(data))
         diffs = torch.cat([(a - b).abs() for a, b in pairs])
         out["bf16"] = {"mean_abs_diff": float(diffs.mean()), "max_abs_diff": float(diffs.max()),
                        "megatron_step": trainer.train(0, copy.deepcopy(data)),
                        "fsdp_step": fsdp.train(0, copy.deepcopy(data)),
-                       "weight_dtype": str(next(iter(trainer.named_weights().values())).dtype)}
+                       "weight_dtype": str(next(iter(trainer.backend.named_weights().values())).dtype)}
     if more_architectures:
         out["architectures"] = other_architectures(rank, world, f"{save_dir}-archs", list(more_architectures))
     return out
@@ -179,19 +181,19 @@ def grpo_step_layouts(rank: int, world: int, checkpoint: str, layouts: list[dict
     import torch
     from megatron.core import parallel_state
 
-    from slimecore.trainers.fsdp import FSDPTrainer
-    from slimecore.trainers.megatron import MegatronTrainer, data_parallel_rank, model_parallel_size
+    from slimecore.trainers.megatron import data_parallel_rank, model_parallel_size
+    from slimecore.trainers.trainer import Trainer
 
     data = synthetic_batch()
     hooks = _hooks()
     out: dict = {"layouts": []}
     if rank == 0:
         torch.manual_seed(0)
-        fsdp = FSDPTrainer(grpo_config(checkpoint), hooks)
+        fsdp = Trainer(grpo_config(checkpoint), hooks, backend="fsdp")
         whole = rank_part(data, 1, 0)
         fsdp_log_probs = dict(zip(whole["sample_indices"], fsdp.compute_log_probs(whole)))
         out["fsdp"] = {k: v for k, v in fsdp.train(0, whole).items() if k.startswith("train/")}
-        fsdp_weights = fsdp.named_weights()
+        fsdp_weights = fsdp.backend.named_weights()
         del fsdp
 
     def compare(weights, reference):
@@ -203,14 +205,14 @@ def grpo_step_layouts(rank: int, world: int, checkpoint: str, layouts: list[dict
         part = rank_part(data, world // model_parallel_size(config), data_parallel_rank(config, rank, world))
         entry = {}
         if n == 1:  # the first layout's weights, resharded
-            loader = MegatronTrainer(grpo_config(checkpoint, no_save_optim=True, **layout), hooks, rank=rank,
-                                     world_size=world)
-            loader.load(f"{save_dir}/first")
-            weights = loader.named_weights()
+            loader = Trainer(grpo_config(checkpoint, no_save_optim=True, **layout), hooks, rank=rank,
+                             world_size=world, backend="megatron")
+            loader.backend.load(f"{save_dir}/first")
+            weights = loader.backend.named_weights()
             if rank == 0:
                 entry["resharded_vs_saved"] = compare(weights, saved)
             del loader
-        trainer = MegatronTrainer(config, hooks, rank=rank, world_size=world)
+        trainer = Trainer(config, hooks, rank=rank, world_size=world, backend="megatron")
         entry.update(dp_size=parallel_state.get_data_parallel_world_size(),
                      tp_size=parallel_state.get_tensor_model_parallel_world_size(),
                      pp_size=parallel_state.get_pipeline_model_parallel_world_size())
@@ -218,19 +220,19 @@ def grpo_step_layouts(rank: int, world: int, checkpoint: str, layouts: list[dict
         if rank == 0:  # this rank's samples (all of them with TP = 2, half with DP = 2)
             entry["log_probs_vs_fsdp"] = _max_diff(log_probs, [fsdp_log_probs[i] for i in part["sample_indices"]])
         entry["metrics"] = {k: v for k, v in trainer.train(0, part).items() if k.startswith("train/")}
-        weights = trainer.named_weights()
+        weights = trainer.backend.named_weights()
         if rank == 0:
             entry["weights_vs_fsdp"] = compare(weights, fsdp_weights)
         if n == 0:
-            trainer.save(f"{save_dir}/first")
+            trainer.backend.save(f"{save_dir}/first")
             saved = weights
         if n == 1:  # optimizer state too, same layout
-            trainer.save(f"{save_dir}/second")
+            trainer.backend.save(f"{save_dir}/second")
             del trainer
-            resumed = MegatronTrainer(config, hooks, rank=rank, world_size=world)
-            resumed.load(f"{save_dir}/second")
-            entry["resumed_iteration"] = resumed.iteration
-            again = resumed.named_weights()
+            resumed = Trainer(config, hooks, rank=rank, world_size=world, backend="megatron")
+            resumed.backend.load(f"{save_dir}/second")
+            entry["resumed_iteration"] = resumed.backend.iteration
+            again = resumed.backend.named_weights()
             if rank == 0:
                 entry["resumed_vs_saved"] = compare(again, weights)
         out["layouts"].append(entry)
@@ -274,8 +276,8 @@ def moe_converts_and_matches_hf(rank: int, world: int, directory: str) -> dict:
     from safetensors.torch import load_file
 
     from slimecore.convert import hf_to_megatron, megatron_to_hf
-    from slimecore.trainers.fsdp import FSDPTrainer
-    from slimecore.trainers.megatron import MegatronTrainer, data_parallel_rank
+    from slimecore.trainers.megatron import data_parallel_rank
+    from slimecore.trainers.trainer import Trainer
 
     hooks = _hooks()
     out: dict = {}
@@ -287,12 +289,12 @@ def moe_converts_and_matches_hf(rank: int, world: int, directory: str) -> dict:
         dist.barrier()
         config = grpo_config(checkpoint, expert_model_parallel_size=world)
         part = rank_part(data, world, data_parallel_rank(config, rank, world))
-        trainer = MegatronTrainer(config, hooks, rank=rank, world_size=world)
+        trainer = Trainer(config, hooks, rank=rank, world_size=world, backend="megatron")
         hf_log_probs, _ = hf_response_log_probs(checkpoint, part, config.rollout_temperature)
         out[f"norm{int(norm)}_log_probs_vs_hf"] = _max_diff(trainer.compute_log_probs(part), hf_log_probs)
         if norm:
             if rank == 0:
-                out["fsdp"] = FSDPTrainer(config, hooks).train(0, rank_part(data, 1, 0))
+                out["fsdp"] = Trainer(config, hooks, backend="fsdp").train(0, rank_part(data, 1, 0))
             out["megatron"] = trainer.train(0, part)
         del trainer
     checkpoint = f"{directory}/qwen3moe-norm1"
@@ -312,20 +314,19 @@ def gpu_bf16_log_probs(rank: int, world: int, checkpoint: str) -> dict:
     import torch
     import torch.distributed as dist
 
-    from slimecore.trainers.fsdp import FSDPTrainer
-    from slimecore.trainers.megatron import MegatronTrainer
+    from slimecore.trainers.trainer import Trainer
 
     dist.destroy_process_group()  # run_ranks made a gloo group; the backend makes its own NCCL one
     hooks = _hooks()
     data = rank_part(synthetic_batch(), 1, 0)
     config = grpo_config(checkpoint, bf16=True)
-    megatron = MegatronTrainer(config, hooks).compute_log_probs(data)
-    fsdp = FSDPTrainer(config, hooks).compute_log_probs(data)
+    megatron = Trainer(config, hooks, backend="megatron").compute_log_probs(data)
+    fsdp = Trainer(config, hooks, backend="fsdp").compute_log_probs(data)
     diffs = torch.cat([(a.float() - b.float()).abs() for a, b in zip(megatron, fsdp)])
     out = {"mean_abs_diff": float(diffs.mean()), "max_abs_diff": float(diffs.max())}
     config = grpo_config(checkpoint)
-    out["fsdp_fp32_step"] = FSDPTrainer(config, hooks).train(0, copy.deepcopy(data))
-    out["megatron_fp32_step"] = MegatronTrainer(config, hooks).train(0, copy.deepcopy(data))
+    out["fsdp_fp32_step"] = Trainer(config, hooks, backend="fsdp").train(0, copy.deepcopy(data))
+    out["megatron_fp32_step"] = Trainer(config, hooks, backend="megatron").train(0, copy.deepcopy(data))
     return out
 
 
@@ -365,7 +366,8 @@ def other_architectures(rank: int, world: int, directory: str, names: list[str])
 
     from slimecore.config import Config
     from slimecore.testing.tiny import build_tokenizer
-    from slimecore.trainers.megatron import build_model, init_parallel, pack
+    from slimecore.trainers.megatron import pack
+    from slimecore.trainers.megatron_model import BridgedModel, init_parallel
 
     hooks = _hooks()
     tokenizer = build_tokenizer()
@@ -384,17 +386,17 @@ def other_architectures(rank: int, world: int, directory: str, names: list[str])
         try:
             config = Config.make(hf_checkpoint=str(path))
             init_parallel(config, rank, world)
-            _, runtime, chunks = build_model(config, hooks, str(path))
-            packed = pack(data["tokens"], data["response_lengths"], runtime.packing, 1, torch.device("cpu"))
+            built = BridgedModel.build(config, hooks, str(path))
+            packed = pack(data["tokens"], data["response_lengths"], built.runtime.packing, 1, torch.device("cpu"))
             with torch.no_grad():
-                stream = chunks[0](input_ids=packed.input_ids, position_ids=packed.position_ids,
+                stream = built.chunks[0](input_ids=packed.input_ids, position_ids=packed.position_ids,
                                    attention_mask=packed.attention_mask)[0]
                 offsets, diff = 0, 0.0
                 for seq in data["tokens"]:
                     ref = model(input_ids=torch.tensor([seq])).logits[0]
                     diff = max(diff, float((stream[offsets:offsets + len(seq)] - ref).abs().max()))
                     offsets += len(seq)
-            exported = dict(runtime.export_hf_weights(chunks))
+            exported = dict(built.runtime.export_hf_weights(built.chunks))
             original = load_file(str(path / "model.safetensors"))
             out[name] = {"logits_vs_hf": diff, "export_exact": set(exported) == set(original) and all(
                 torch.equal(exported[k], original[k]) for k in original)}

@@ -116,7 +116,7 @@ def test_megatron_checkpoint_onto_another_models_config(tiny_checkpoint, tmp_pat
     from slime_models.plugin import bridge_for
     from slimecore.config import Config
     from slimecore.testing.tiny import make_tiny_checkpoint
-    from slimecore.trainers.megatron import write_checkpoint_meta
+    from slimecore.trainers.megatron_model import write_checkpoint_meta
 
     saved = tmp_path / "mcore"
     saved.mkdir()  # what hf-to-megatron or a training checkpoint records about its model

@@ -1,4 +1,4 @@
-"""Megatron arguments given on the command line reach megatron-core's configs in a real MegatronTrainer (CPU shim,
+"""Megatron arguments given on the command line reach megatron-core's configs in a real megatron backend (CPU shim,
 as the other megatron tests): a TransformerConfig field, the optimizer choice and a DDP setting."""
 
 from __future__ import annotations
@@ -27,19 +27,19 @@ def built_with_passed_args(rank, world, checkpoint):
     from megatron_checks import _hooks, grpo_config
 
     from slimecore.config import parse_config
-    from slimecore.trainers.megatron import MegatronTrainer
+    from slimecore.trainers.trainer import Trainer
 
     parsed = parse_config(["--rollout-batch-size", "2", "--hidden-dropout", "0.25", "--attention-softmax-in-fp32",
                            "--optimizer", "sgd", "--check-for-nan-in-grad"], [], {})
     config = grpo_config(checkpoint)
     config.megatron_args.update(parsed.megatron_args)
-    trainer = MegatronTrainer(config, _hooks(), rank=rank, world_size=world)
-    model_config = get_model_config(trainer.chunks[0])
-    inner = trainer.optimizer
+    backend = Trainer(config, _hooks(), rank=rank, world_size=world, backend="megatron").backend
+    model_config = get_model_config(backend.chunks[0])
+    inner = backend.optimizer
     while not isinstance(inner, torch.optim.Optimizer):
         inner = getattr(inner, "optimizer", None) or inner.chained_optimizers[0]
     return (model_config.hidden_dropout, model_config.attention_softmax_in_fp32, type(inner).__name__,
-            trainer.chunks[0].ddp_config.check_for_nan_in_grad)
+            backend.chunks[0].ddp_config.check_for_nan_in_grad)
 
 
 def test_megatron_arguments_reach_megatron_core(tiny_checkpoint):

@@ -19,7 +19,7 @@ from slimecore.rollout.client import RolloutClient
 from slimecore.rollout.hook_args import SampleHooks, buffer_filter
 from slimecore.rollout.manager import convert_samples
 from slimecore.testing import mask_runs
-from slimecore.trainers.fsdp import FSDPTrainer
+from slimecore.trainers.trainer import Trainer
 from slimecore.rollout.schedule import build_dp_schedule, split_for_ranks
 from slimecore.types import Status
 
@@ -98,7 +98,7 @@ def test_trainer_log_probs_match_the_engine_on_model_tokens(engine, taught_check
     schedule = build_dp_schedule(data["rollout_ids"], [len(t) for t in data["tokens"]], len(samples), 1,
                                  config.micro_batch_size)
     part = split_for_ranks(data, schedule)[0]
-    trainer = FSDPTrainer(config, hooks)
+    trainer = Trainer(config, hooks)
     recomputed = trainer.compute_log_probs(part)
     for lp, rollout, mask in zip(recomputed, part["rollout_log_probs"], part["loss_masks"]):
         mask = torch.tensor(mask, dtype=torch.bool)

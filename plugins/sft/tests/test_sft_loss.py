@@ -18,7 +18,7 @@ from slimecore.plugins import load_plugins
 from slimecore.rollout.hook_args import buffer_filter
 from slimecore.testing.distributed import run_ranks
 from slimecore.rollout.manager import convert_samples
-from slimecore.trainers.fsdp import FSDPTrainer
+from slimecore.trainers.trainer import Trainer
 from slimecore.rollout.schedule import build_dp_schedule, split_for_ranks
 from slime_sft.plugin import sft_loss
 
@@ -80,9 +80,9 @@ def _part(data, dp_size=1, rank=0, micro_batch_size=8, max_tokens=None):
 
 def _train(config, data, dp_size=1, rank=0, **part_kw):
     torch.manual_seed(0)
-    trainer = FSDPTrainer(config, load_plugins(["sft"]), rank=rank, world_size=dp_size)
+    trainer = Trainer(config, load_plugins(["sft"]), rank=rank, world_size=dp_size)
     metrics = trainer.train(0, _part(data, dp_size, rank, **part_kw))
-    return metrics, torch.cat([p.grad.reshape(-1) for p in trainer.params])
+    return metrics, torch.cat([p.grad.reshape(-1) for p in trainer.backend.params])
 
 
 def _config_like(config, **kw) -> Config:

@@ -1,0 +1,217 @@
+"""What a training backend provides, and the pieces every backend shares.
+
+A backend owns the model of one rank of one training role: it builds it, runs its forward (per-token
+log-probs of response tokens, with entropies, or a value model's values) and backward over micro-batches,
+steps the optimizer, exports HF-named weights for the engines, saves and loads checkpoints and moves its
+state off the device and back. Everything else about a training step (which inputs to pre-compute, the
+advantage and loss hooks, the reducer, the metrics) is ``slimecore.trainers.trainer.Trainer``, the same
+for every backend. ``fsdp.py`` and ``megatron.py`` are the two backends; ``docs/backends.md`` says how to
+write a third.
+
+This module imports no torch at import time: ``slimecore.config`` reads ``TRAIN_BACKENDS`` from it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import math
+import random
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, ContextManager, Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+# --train-backend NAME -> "module:class" of its backend; a new backend adds one line here.
+TRAIN_BACKENDS = {"fsdp": "slimecore.trainers.fsdp:FSDPBackend",
+                  "megatron": "slimecore.trainers.megatron:MegatronBackend"}
+
+# The model outputs of one micro-batch, per sample (``(R_i,)`` each, over its response tokens):
+# ``{"log_probs": [...], "entropy": [...] or None}`` for a policy, ``{"values": [...]}`` for a value model.
+Outputs = dict[str, Any]
+# Called once per non-empty micro-batch with its sample indices and outputs: ``(loss, info)``.
+MicroBatchFn = Callable[[list[int], Outputs], "tuple[torch.Tensor, Any]"]
+
+
+class TrainBackend(Protocol):
+    """One rank's model, optimizer and weights, behind the backend-independent ``Trainer``.
+
+    Built as ``cls(config, hooks, rank=, world_size=, value_model=, keep_reference=, **options)``: the caller
+    has initialised torch.distributed when ``world_size`` > 1; ``hooks`` is the run's hook facade (a backend
+    may ask ``slime_model_bridge`` for its model); ``value_model`` asks for a value head (one output per token,
+    role ``critic``) instead of the LM head; ``keep_reference`` asks for the initial weights to be kept for
+    ``reference_weights``. Unknown ``options`` are a ``TypeError``.
+    """
+
+    device: torch.device  # where micro-batch tensors go
+    hf_config: Any  # the HF config of the model trained (FLOPs figures)
+    rank: int
+    world_size: int
+    collective_export: bool  # every rank must call named_weights / iterate hf_weight_buckets (rank 0 gets them)
+
+    def run_micro_batches(self, batch: dict, micro_batches: list[list[int]], fn: MicroBatchFn, *,
+                          temperature: float, with_entropy: bool, train: bool) -> list:
+        """Forward the micro-batches (indices into the per-sample lists of ``batch``, which hold at least
+        ``tokens`` and ``response_lengths``) in order; for each non-empty one call ``fn(micro_batch, outputs)``
+        with the model outputs (log-probs of ``logits / temperature``, entropies if ``with_entropy``; values
+        for a value model, temperature ignored) and collect its ``info``.
+
+        ``train=True``: the gradients are reset, then ``fn``'s losses are back-propagated so that the
+        gradient is exactly the sum of the losses' gradients (a backend whose own schedule divides by the
+        micro-batch count or averages over data-parallel ranks scales the loss back up); returns the infos
+        of the ranks that compute losses (other pipeline stages: ``[]``). ``train=False``: no gradient,
+        ``fn``'s loss is ignored (it may be None), and every rank gets the infos. An empty micro-batch still
+        runs a forward (and backward) with zero loss, so that the collectives of all ranks stay matched."""
+        ...
+
+    def optimizer_step(self) -> tuple[float, float]:
+        """Sum the gradients over data-parallel ranks, clip the global norm to ``--clip-grad`` (when > 0),
+        update (skipped, with a warning, when the norm is not finite) and advance the LR schedule
+        (``lr_lambda``). Returns ``(grad_norm, lr)``, the LR this update used."""
+        ...
+
+    def sum_across_ranks(self, values: dict[str, float]) -> dict[str, float]:
+        """Each key summed over the data-parallel replicas (a replica lacking a key adds 0)."""
+        ...
+
+    def reference_weights(self) -> ContextManager[None]:
+        """Within the block the model is the reference policy (the initial weights); after it, the current
+        weights again. Only when built with ``keep_reference`` (or when the reference costs nothing, as
+        LoRA's disabled adapters)."""
+        ...
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """Every HF-named full weight on CPU, on rank 0 (LoRA merged); other ranks get ``{}``."""
+        ...
+
+    def hf_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
+        """HF-named full weights in buckets of at most ``bucket_bytes`` (a larger tensor alone), each tensor
+        once, for ``slimecore.trainers.weight_sender`` on rank 0. When ``collective_export``, every rank must
+        iterate it (what ranks other than 0 get is not used)."""
+        ...
+
+    def save(self, directory: str) -> None:
+        """Write a checkpoint (model, optimizer and LR schedule unless ``--no-save-optim``, each rank's RNG
+        state through ``save_rng``) that ``load`` restores. Collective."""
+        ...
+
+    def load(self, directory: str) -> None:
+        """Restore what ``save`` wrote; the reference policy stays the initial weights. Collective."""
+        ...
+
+    def offload(self) -> None:
+        """``--offload-train``: parameters, gradients and optimizer state to CPU, the device cache emptied."""
+        ...
+
+    def onload(self) -> None:
+        """Back onto the training device after ``offload``."""
+        ...
+
+
+def backend_class(name: str) -> type:
+    """The backend class of ``--train-backend name``."""
+    if name not in TRAIN_BACKENDS:
+        raise ValueError(f"unknown training backend {name!r}; known: {', '.join(TRAIN_BACKENDS)}")
+    module, _, attr = TRAIN_BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def training_device() -> torch.device:
+    """This process's current CUDA device (the actor set it to its bundle's GPU), else the CPU."""
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def add_up(per_rank: Iterable[dict[str, float]]) -> dict[str, float]:
+    """Key-wise sums of the ranks' metric dicts (a rank lacking a key adds 0), keys sorted."""
+    per_rank = list(per_rank)
+    return {k: sum(d.get(k, 0.0) for d in per_rank) for k in sorted({k for d in per_rank for k in d})}
+
+
+def lr_lambda(config, warmup: int | None = None, lr: float | None = None):
+    """LR multiplier for optimizer step ``it`` (0-based): linear warm-up, then constant / linear / cosine decay
+    to ``--min-lr`` at ``--train-iters`` (constant after warm-up when ``train_iters`` is None).
+
+    Matches Megatron's schedule except that warm-up step ``it`` uses ``(it + 1) / warmup`` rather than
+    ``it / warmup``, so the first update is not made with a learning rate of 0.
+    """
+    warmup = (config.lr_warmup_iters if warmup is None else warmup) or 0
+    total, lr = config.train_iters, config.lr if lr is None else lr
+    floor = config.min_lr / lr if lr else 0.0
+
+    def factor(it: int) -> float:
+        if it < warmup:
+            return (it + 1) / warmup
+        if config.lr_decay_style == "constant" or not total:
+            return 1.0
+        progress = min(1.0, (it - warmup) / max(1, total - warmup))
+        if config.lr_decay_style == "linear":
+            return floor + (1 - floor) * (1 - progress)
+        if config.lr_decay_style == "cosine":
+            return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+        raise ValueError(f"unknown --lr-decay-style {config.lr_decay_style!r}; use constant, linear or cosine")
+
+    return factor
+
+
+def save_rng(path: Path, rank: int, **extra) -> None:
+    """This rank's torch / python / numpy (and CUDA) RNG state, plus a backend's ``extra`` streams, in
+    ``rng_rank{rank}.pt``."""
+    import numpy as np
+    import torch
+
+    rng = {"torch": torch.get_rng_state(), "python": random.getstate(), "numpy": np.random.get_state(), **extra}
+    if torch.cuda.is_available():
+        rng["cuda"] = torch.cuda.get_rng_state()
+    torch.save(rng, path / f"rng_rank{rank}.pt")
+
+
+def load_rng(path: Path, rank: int) -> dict:
+    """Restore what ``save_rng`` wrote and return it (for a backend's extra streams); ``{}`` when the
+    checkpoint has no file for this rank (it was saved with another number of ranks)."""
+    import numpy as np
+    import torch
+
+    rng_file = path / f"rng_rank{rank}.pt"
+    if not rng_file.is_file():
+        return {}
+    rng = torch.load(rng_file, weights_only=False)
+    torch.set_rng_state(rng["torch"])
+    random.setstate(rng["python"])
+    np.random.set_state(rng["numpy"])
+    if "cuda" in rng and torch.cuda.is_available():
+        torch.cuda.set_rng_state(rng["cuda"])
+    return rng
+
+
+class ReferenceCopy:
+    """A CPU copy of this rank's initial weights (or weight shards), swapped into the live tensors for the
+    reference-policy forward: the current weights are kept on CPU meanwhile and copied back after."""
+
+    def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]]):
+        self.saved = {name: t.detach().to("cpu", copy=True) for name, t in tensors}
+
+    @contextlib.contextmanager
+    def swapped_in(self, live: Callable[[], Iterable[tuple[str, torch.Tensor]]]):
+        """``live()`` yields the tensors to overwrite (called again to restore them)."""
+        import torch
+
+        current = {}
+        with torch.no_grad():
+            for name, t in live():
+                current[name] = t.detach().to("cpu", copy=True)
+                t.copy_(self.saved[name])
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for name, t in live():
+                    t.copy_(current[name])
+
+
+def missing_reference() -> RuntimeError:
+    return RuntimeError("ref_log_probs was not requested by slime_train_inputs when the trainer was built, so no "
+                        "reference copy exists; train_inputs must not depend on the step")
