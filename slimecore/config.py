@@ -15,8 +15,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 
-class ConfigError(ValueError):
-    """A bad flag, value, file key or combination; the message names it and says what to do."""
+from slimecore.errors import ConfigError  # defined in a leaf module, so modules config.py calls need not import it
 
 
 @dataclass(frozen=True)
@@ -740,10 +739,6 @@ def validate_core(config: Config) -> None:
         raise ConfigError("--save-debug-rollout-data must contain {rollout_id}, e.g. dumps/rollout_{rollout_id}.pt")
     if c.eval_prompt_data and len(c.eval_prompt_data) % 2:
         raise ConfigError("--eval-prompt-data takes NAME PATH pairs, got an odd number of values")
-    if c.eval_config:
-        from slimecore.rollout.evaluation import eval_datasets
-
-        eval_datasets(c)  # a bad eval YAML fails here, before Ray starts
     for name in ("actor_resources", "rollout_resources"):
         value = getattr(c, name)
         if value is not None and not (isinstance(value, dict) and all(
@@ -779,6 +774,6 @@ def validate_engines(c: Config) -> None:
         if c.update_weight_transport == "object-store":
             raise ConfigError("--update-weight-transport object-store works with the embedded engine only; SGLang "
                               "takes tensor, distributed or disk (or auto)")
-        from slimecore.engines.sglang import check_server_args
+        from slimecore.engines.sglang_schema import check_server_args
 
         check_server_args(c)
