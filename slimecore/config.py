@@ -194,7 +194,8 @@ CORE_OPTIONS: list[Option] = [
     _O("min_lr", float, 0.0, "Minimum learning rate for decay.", group="train"),
     _O("lr_decay_style", str, "constant", "LR schedule.", choices=("constant", "linear", "cosine"), group="train"),
     _O("lr_warmup_iters", int, 0, "Warm-up optimizer steps.", group="train"),
-    _O("train_iters", int, None, "Total optimizer steps for the LR schedule (default: derived from --num-rollout).",
+    _O("train_iters", int, None, "Total optimizer steps for the LR schedule (default: those of --num-rollout steps, "
+       "or of --num-epoch epochs).",
        group="train"),
     _O("weight_decay", float, 0.0, "AdamW weight decay.", group="train"),
     _O("adam_beta1", float, 0.9, "AdamW beta1.", group="train"),
@@ -215,12 +216,6 @@ CORE_OPTIONS: list[Option] = [
        "groups within --max-staleness and sends older ones back to be re-generated.", group="train"),
     _O("fully_async_groups", int, None, "Fully async: most groups queued or in flight (default: --rollout-batch-size).",
        group="train"),
-    # -- value model (placed when a plugin's slime_train_roles returns "critic")
-    _O("critic_hf_checkpoint", str, None, "Checkpoint the critic starts from (default: --hf-checkpoint); a scalar "
-       "value head is added on top.", group="critic"),
-    _O("critic_lr", float, None, "Critic learning rate (default: --lr).", group="critic"),
-    _O("critic_lr_warmup_iters", int, None, "Critic warm-up optimizer steps (default: --lr-warmup-iters).", group="critic"),
-    _O("num_critic_only_steps", int, 0, "First N rollouts train only the critic; the actor starts after.", group="critic"),
     # -- megatron pass-through (used by --train-backend megatron)
     _O("tensor_model_parallel_size", int, 1, "Megatron TP size.", group="megatron"),
     _O("pipeline_model_parallel_size", int, 1, "Megatron PP size.", group="megatron"),

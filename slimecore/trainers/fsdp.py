@@ -19,11 +19,11 @@ Precision. Weights and optimizer state stay fp32; ``--bf16`` runs the forward in
 ``MixedPrecisionPolicy`` with fp32 gradient reduction). Pure-bf16 weights would lose small Adam updates.
 Log-prob and entropy math is always fp32 (``slimecore.ops``).
 
-Value model (role ``critic``, placed when a plugin's ``slime_train_roles`` returns it): the
-``--critic-hf-checkpoint`` backbone with a one-output token-classification head (``AutoModelForTokenClassification``,
+Value model (a role declared with ``model="value"`` through ``slime_train_roles``, as PPO's critic): the
+role's ``hf_checkpoint`` backbone with a one-output token-classification head (``AutoModelForTokenClassification``,
 ``num_labels=1``; the head is initialised from ``--seed``, identically on every rank). ``V`` of response token
 ``t`` is read at the same position that scores it (row ``prompt_len - 1 + t``), as slime does. The critic
-trains on the ``returns`` the actor's advantage hook produced, with ``slime_loss(role="critic")``.
+trains on the ``returns`` the actor's advantage hook produced (its feed), with ``slime_loss(role=<its name>)``.
 
 Reference policy (``ref_log_probs``): the initial weights. Full fine-tuning keeps a CPU copy of them (taken
 at construction, only when a plugin asks for ``ref_log_probs``) and swaps it into the same model for one
@@ -128,15 +128,18 @@ class FSDPTrainer:
 
         if world_size > 1 and not dist.is_initialized():
             raise RuntimeError(f"FSDPTrainer(world_size={world_size}) needs torch.distributed initialised first")
+        from slimecore.trainers.roles import role_config
+
+        spec, config = role_config(config, hooks, role)  # the role's own options (a critic's --critic-lr) applied
         self.config, self.hooks, self.rank, self.world_size, self.role = config, hooks, rank, world_size, role
         self.group = process_group
         cuda = torch.cuda.is_available()
         self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         self.sharded = (cuda and world_size > 1) if shard is None else (shard and world_size > 1)
 
-        self.is_value = role == "critic"
+        self.is_value = spec.model == "value"
         if self.is_value:
-            checkpoint = config.critic_hf_checkpoint or config.hf_checkpoint
+            checkpoint = config.hf_checkpoint
             hf_config = _without_dropout(checkpoint)
             hf_config.num_labels = 1
             from transformers.utils import logging as hf_logging
@@ -180,13 +183,9 @@ class FSDPTrainer:
             self._ref_params = {name: _local(p).detach().to("cpu", copy=True)
                                 for name, p in self.model.named_parameters()}
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        lr, warmup = config.lr, config.lr_warmup_iters
-        if self.is_value:
-            lr = config.critic_lr if config.critic_lr is not None else lr
-            warmup = config.critic_lr_warmup_iters if config.critic_lr_warmup_iters is not None else warmup
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=(config.adam_beta1, config.adam_beta2),
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                            eps=config.adam_eps, weight_decay=config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config, warmup, lr))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
         self.outputs: dict = {}  # per-sample results another role needs (the actor's returns, for the critic)
 
     def _shard(self) -> None:
@@ -331,8 +330,9 @@ class FSDPTrainer:
             old, self._old_values = getattr(self, "_old_values", None), None
             data = {**data, **(old if old is not None else self.compute_values(data))}
         elif "values" in inputs and data.get("values") is None:
-            raise RuntimeError(f"slime_train_inputs asked for 'values' (role {role!r}) but no critic supplied them; "
-                               "the plugin that needs values must return 'critic' from slime_train_roles")
+            raise RuntimeError(f"slime_train_inputs asked for 'values' (role {role!r}) but no value model fed them; "
+                               f"the plugin that needs values must declare a value role whose scores feed {role!r} "
+                               "(slime_train_roles)")
         temperature = config.rollout_temperature
         batch = {k: v for k, v in data.items() if k != "steps"}
         for key in TENSOR_KEYS:
