@@ -15,6 +15,7 @@ from rich.table import Table
 
 import slimecore
 from slimecore.defaults.reward import check_reward_sources
+from slimecore.finalize import finalize
 
 from slimecore.config import (CORE_BY_NAME, ConfigError, build_parser, collect_plugin_options, flag_text,
                               parse_config, prescan)
@@ -56,9 +57,7 @@ def train(ctx):
         hooks.bind(config).slime_validate_config(config=config)
         hooks.check(skip_required=_not_needed(config))
         check_reward_sources(hooks, config)
-        from slimecore.hf_checkpoint import resolve_checkpoint
-
-        config.hf_checkpoint = str(resolve_checkpoint(config.hf_checkpoint))
+        finalize(config, hooks)  # the model path, --num-rollout from --num-epoch, --train-iters
         if config.megatron_args:
             from transformers import AutoConfig
 
@@ -83,9 +82,6 @@ def train(ctx):
     if config.recommended_applied:
         settings = " ".join(flag_text(CORE_BY_NAME[k], v) for k, v in config.recommended_applied.items())
         console.print(f"{config.recommended_by}: using its quick-start settings {settings} (set any flag to override)")
-    if config.train_iters is None and config.num_rollout:
-        config.train_iters = config.num_rollout * config.rollout_batch_size * config.n_samples_per_prompt \
-            // config.global_batch_size
     hooks.slime_startup(config=config, process="driver")
     from slimecore.display import RunDisplay
     from slimecore.loop import run

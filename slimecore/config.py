@@ -17,8 +17,7 @@ from typing import Any, Iterable
 from slimecore.trainers.backend import TRAIN_BACKENDS
 
 
-class ConfigError(ValueError):
-    """A bad flag, value, file key or combination; the message names it and says what to do."""
+from slimecore.errors import ConfigError  # defined in a leaf module, so modules config.py calls need not import it
 
 
 @dataclass(frozen=True)
@@ -200,7 +199,8 @@ CORE_OPTIONS: list[Option] = [
     _O("min_lr", float, 0.0, "Minimum learning rate for decay.", group="train"),
     _O("lr_decay_style", str, "constant", "LR schedule.", choices=("constant", "linear", "cosine"), group="train"),
     _O("lr_warmup_iters", int, 0, "Warm-up optimizer steps.", group="train"),
-    _O("train_iters", int, None, "Total optimizer steps for the LR schedule (default: derived from --num-rollout).",
+    _O("train_iters", int, None, "Total optimizer steps for the LR schedule (default: those of --num-rollout steps, "
+       "or of --num-epoch epochs).",
        group="train"),
     _O("weight_decay", float, 0.0, "AdamW weight decay.", group="train"),
     _O("adam_beta1", float, 0.9, "AdamW beta1.", group="train"),
@@ -221,12 +221,6 @@ CORE_OPTIONS: list[Option] = [
        "groups within --max-staleness and sends older ones back to be re-generated.", group="train"),
     _O("fully_async_groups", int, None, "Fully async: most groups queued or in flight (default: --rollout-batch-size).",
        group="train"),
-    # -- value model (placed when a plugin's slime_train_roles returns "critic")
-    _O("critic_hf_checkpoint", str, None, "Checkpoint the critic starts from (default: --hf-checkpoint); a scalar "
-       "value head is added on top.", group="critic"),
-    _O("critic_lr", float, None, "Critic learning rate (default: --lr).", group="critic"),
-    _O("critic_lr_warmup_iters", int, None, "Critic warm-up optimizer steps (default: --lr-warmup-iters).", group="critic"),
-    _O("num_critic_only_steps", int, 0, "First N rollouts train only the critic; the actor starts after.", group="critic"),
     # -- megatron pass-through (used by --train-backend megatron)
     _O("tensor_model_parallel_size", int, 1, "Megatron TP size.", group="megatron"),
     _O("pipeline_model_parallel_size", int, 1, "Megatron PP size.", group="megatron"),
@@ -756,10 +750,6 @@ def validate_core(config: Config) -> None:
         raise ConfigError("--save-debug-rollout-data must contain {rollout_id}, e.g. dumps/rollout_{rollout_id}.pt")
     if c.eval_prompt_data and len(c.eval_prompt_data) % 2:
         raise ConfigError("--eval-prompt-data takes NAME PATH pairs, got an odd number of values")
-    if c.eval_config:
-        from slimecore.rollout.evaluation import eval_datasets
-
-        eval_datasets(c)  # a bad eval YAML fails here, before Ray starts
     for name in ("actor_resources", "rollout_resources"):
         value = getattr(c, name)
         if value is not None and not (isinstance(value, dict) and all(
@@ -795,6 +785,6 @@ def validate_engines(c: Config) -> None:
         if c.update_weight_transport == "object-store":
             raise ConfigError("--update-weight-transport object-store works with the embedded engine only; SGLang "
                               "takes tensor, distributed or disk (or auto)")
-        from slimecore.engines.sglang import check_server_args
+        from slimecore.engines.sglang_schema import check_server_args
 
         check_server_args(c)

@@ -13,6 +13,11 @@ import re
 import traceback
 from dataclasses import dataclass
 
+class ConfigError(ValueError):
+    """A bad flag, value, file key or combination; the message names it and says what to do.
+    ``slimecore.config.ConfigError`` is this class."""
+
+
 # exception classes whose message is already written for the user (what happened and what to do)
 MESSAGES_FOR_USERS = {"ConfigError", "PluginError", "DataError", "RewardFailureError", "FilterStarvedError",
                       "CheckpointError", "ConvertError"}

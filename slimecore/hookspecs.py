@@ -37,6 +37,7 @@ if TYPE_CHECKING:  # heavy or circular imports only for type checkers
     from slimecore.ops.reducers import Reducer
     from slimecore.rollout.client import RolloutClient
     from slimecore.rollout.hook_args import AgentHook, ObservationHook, SampleHooks
+    from slimecore.trainers.roles import TrainRole
     from slimecore.types import Advantages, DataSource, FilterResult, ModelOutputs, RolloutOutput, Sample, TrainBatch
 
 PROJECT = "slimecore"
@@ -300,14 +301,16 @@ def slime_log_rollout(config: Config, rollout_id: int, samples: list[Sample], me
 
 
 @spec(kind="all")
-def slime_train_roles(config: Config) -> list[str]:
-    """Name training roles the core must place beside the actor. Known: ``critic``, a value model (the
-    ``--critic-hf-checkpoint`` backbone with a scalar head) with as many ranks as the actor. Each step the
-    critic's values go to the actor's batch as ``values`` before advantages, then the critic trains on the
-    actor's ``returns`` through ``slime_loss`` with ``role="critic"`` and ``outputs["values"]``. The union over
-    plugins is placed. slime: ``--use-critic``.
+def slime_train_roles(config: Config) -> list[TrainRole | str]:
+    """Declare training roles beside the actor (``slimecore.trainers.roles.TrainRole``): each one's model
+    (``policy`` or ``value``: the backbone with a scalar head), its feeds (another role's ``scores``, a value
+    model's ``values`` before any role trains, or ``outputs``, what it trained, e.g. the actor's ``returns``),
+    its own options (``lr``, ``hf_checkpoint`` ...) and its first updating rollout. A role trains through
+    ``slime_loss`` with ``role=<its name>``; a value role's ``outputs`` hold ``values``. Declaring ``actor``
+    gives the actor feeds or a later first update. A bare name is a policy role with no feeds. Every role has
+    the actor's number of ranks; the union over plugins is placed. slime: ``--use-critic`` (PPO's critic).
 
-    Called in: driver, once, before the placement group is made.
+    Called in: driver, once, before the placement group is made; train, once per rank as its trainer is built.
     """
 
 

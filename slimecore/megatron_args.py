@@ -29,7 +29,7 @@ import enum
 import typing
 from typing import Any
 
-from slimecore.config import ConfigError
+from slimecore.errors import ConfigError
 
 # megatron flag -> HF config attributes that say the same (first present wins) and how to compare
 HF_CHECKED: dict[str, tuple[tuple[str, ...], Any]] = {

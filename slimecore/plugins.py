@@ -45,6 +45,7 @@ if TYPE_CHECKING:
     from slimecore.ops.reducers import Reducer
     from slimecore.rollout.client import RolloutClient
     from slimecore.rollout.hook_args import AgentHook, ObservationHook, SampleHooks
+    from slimecore.trainers.roles import TrainRole
     from slimecore.types import Advantages, DataSource, FilterResult, ModelOutputs, RolloutOutput, Sample, TrainBatch
 
 ENTRY_POINT_GROUP = "slimecore"
@@ -330,8 +331,10 @@ class Hooks:
         self.pm.hook.slime_log_rollout(config=config, rollout_id=rollout_id, samples=samples, metrics=metrics)
 
     # -- training ------------------------------------------------------------------------------
-    def slime_train_roles(self, *, config: Config) -> list[list[str]]:
-        return self.pm.hook.slime_train_roles(config=config)
+    def slime_train_roles(self, *, config: Config) -> list[tuple[str, list[TrainRole | str]]]:
+        """``(plugin, declarations)`` of every plugin that declares roles: errors in a declaration name its plugin
+        (``slimecore.trainers.roles.declared_roles``)."""
+        return self._each("slime_train_roles", config=config)
 
     def slime_train_inputs(self, *, config: Config, role: str) -> set[str]:
         """The union of the extra inputs every active plugin's loss needs."""

@@ -1,7 +1,7 @@
 """Checks made in the driver before Ray starts, so bad input fails in seconds with one message instead of
 inside an actor minutes later: the hooks' signatures, ``--hf-checkpoint``, the prompt and eval files, the
 reward type of your own data, ``--load`` against the model, ``--save`` and ``--log-dir``. Once Ray is up,
-``check_placement`` compares what the run asks for with what the cluster has.
+``slimecore.raytools.check_placement`` compares what the run asks for with what the cluster has.
 
 Each check raises ``ConfigError`` (or ``PluginError`` for a plugin) whose message names the file, row, key,
 flag or plugin and says what to do. ``check_before_ray`` runs them all; the CLI and ``slimecore.loop.run``
@@ -203,25 +203,3 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
-
-
-def check_placement(bundles: list[dict], what: str) -> None:
-    """The placement group's total demand against ``ray.cluster_resources()``: a run the cluster cannot hold
-    fails at once naming the resource, instead of waiting for a placement that never comes."""
-    import ray
-
-    have = ray.cluster_resources()
-    need: dict[str, float] = {}
-    for bundle in bundles:
-        for resource, amount in bundle.items():
-            need[resource] = need.get(resource, 0.0) + amount
-    short = {r: n for r, n in need.items() if n > have.get(r, 0.0) + 1e-9}
-    if short:
-        lines = ", ".join(f"{n:g} {r} (the cluster has {have.get(r, 0.0):g})" for r, n in short.items())
-        raise ConfigError(f"the cluster cannot hold this run: {what} need {lines}. Lower --num-cpus-per-actor or the "
-                          "number of ranks/engines (--actor-num-gpus-per-node, --rollout-num-gpus), or add nodes")
-    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
-    for bundle in bundles:
-        if nodes and not any(all(node.get(r, 0.0) + 1e-9 >= n for r, n in bundle.items()) for node in nodes):
-            raise ConfigError(f"the cluster cannot hold this run: one bundle needs {bundle} on a single node and no "
-                              "node has that much. Lower --num-cpus-per-actor, or add a bigger node")

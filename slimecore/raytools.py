@@ -11,7 +11,7 @@ import ray.util
 from ray.exceptions import GetTimeoutError
 from ray.util.placement_group import placement_group
 
-from slimecore.config import Config
+from slimecore.config import Config, ConfigError
 
 log = logging.getLogger("slimecore.ray")
 
@@ -88,8 +88,6 @@ def create_placement(config: Config, roles: list[str] = ("actor",)):
         bundles = [train_bundle] * (n_train * len(roles)) + [engine_bundle] * n_engines
         train = {role: list(range(k * n_train, (k + 1) * n_train)) for k, role in enumerate(roles)}
         engines = list(range(n_train * len(roles), len(bundles)))
-    from slimecore.preflight import check_placement
-
     check_placement(bundles, f"{n_train} train rank(s) x {len(roles)} role(s) and {n_engines} engine(s)")
     pg = placement_group(bundles, strategy="PACK")
     _wait_placement(pg, bundles, c)
@@ -192,3 +190,23 @@ def bundle_nodes(pg) -> list[tuple[str, str]]:
 
 def spans_nodes(pg) -> bool:
     return pg is not None and len({node for _, node in bundle_nodes(pg)}) > 1
+
+
+def check_placement(bundles: list[dict], what: str) -> None:
+    """The placement group's total demand against ``ray.cluster_resources()``: a run the cluster cannot hold
+    fails at once naming the resource, instead of waiting for a placement that never comes."""
+    have = ray.cluster_resources()
+    need: dict[str, float] = {}
+    for bundle in bundles:
+        for resource, amount in bundle.items():
+            need[resource] = need.get(resource, 0.0) + amount
+    short = {r: n for r, n in need.items() if n > have.get(r, 0.0) + 1e-9}
+    if short:
+        lines = ", ".join(f"{n:g} {r} (the cluster has {have.get(r, 0.0):g})" for r, n in short.items())
+        raise ConfigError(f"the cluster cannot hold this run: {what} need {lines}. Lower --num-cpus-per-actor or the "
+                          "number of ranks/engines (--actor-num-gpus-per-node, --rollout-num-gpus), or add nodes")
+    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    for bundle in bundles:
+        if nodes and not any(all(node.get(r, 0.0) + 1e-9 >= n for r, n in bundle.items()) for node in nodes):
+            raise ConfigError(f"the cluster cannot hold this run: one bundle needs {bundle} on a single node and no "
+                              "node has that much. Lower --num-cpus-per-actor, or add a bigger node")

@@ -47,6 +47,8 @@ from pathlib import Path
 
 import torch
 
+from slimecore.engines.http import BadRequest, build_app, run_app
+
 log = logging.getLogger("slimecore.engine")
 VERSION = "slimecore-embedded-0.2"
 DEFAULT_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "max_new_tokens": 128,
@@ -57,10 +59,6 @@ DEFAULT_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0,
                     "structural_tag": None, "custom_params": None, "stream_interval": None}
 ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
 ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
-
-
-class BadRequest(ValueError):
-    """An invalid request: answered with HTTP 400 ``{"error": {"message": ...}}``."""
 
 
 @dataclass(eq=False)  # identity: the queues find and remove requests with ``in`` / ``remove``
@@ -277,7 +275,6 @@ class EmbeddedServer:
     def _serve(self, started: threading.Event) -> None:
         import asyncio
 
-        from slimecore.engines.http import build_app, run_app
 
         self._loop = asyncio.new_event_loop()
         # every /generate handler waits for its request on an executor thread (asyncio.to_thread); the

@@ -10,7 +10,10 @@ import time
 
 from aiohttp import web
 
-from slimecore.engines.embedded import BadRequest
+
+class BadRequest(ValueError):
+    """An invalid request: answered with HTTP 400 ``{"error": {"message": ...}}``."""
+
 
 class _DropRouterProbes(logging.Filter):
     """The router also probes workers over HTTP/2 (gRPC health); aiohttp logs each probe as a bad

@@ -19,7 +19,6 @@ runs (the ``[sglang]`` extra); nothing here imports it.
 
 from __future__ import annotations
 
-import difflib
 import json
 import os
 import shlex
@@ -29,55 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from slimecore.config import Config, ConfigError
-
-# ServerArgs fields slime-core sets itself, and the flag that sets each
-OWNED = {"model_path": "--hf-checkpoint", "tp_size": "--rollout-num-gpus-per-engine", "base_gpu_id": "placement",
-         "host": "the run (127.0.0.1, or the node address on a multi-node run)", "port": "a free port",
-         "random_seed": "--seed", "enable_memory_saver": "--offload-rollout", "api_key": "the run's own key",
-         "skip_server_warmup": "slime-core (always on)"}
-
-
-def overrides(config: Config) -> dict:
-    """``--sglang-<field>`` values, then the ``--sglang-config`` YAML mapping over them."""
-    values = dict(config.sglang_args)
-    if config.sglang_config:
-        import yaml
-
-        path = Path(config.sglang_config)
-        if not path.is_file():
-            raise ConfigError(f"--sglang-config {path}: no such file")
-        try:
-            data = yaml.safe_load(path.read_text()) or {}
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--sglang-config {path}: not valid YAML: {exc}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(f"--sglang-config {path}: expected a mapping of SGLang ServerArgs fields, got "
-                              f"{type(data).__name__}")
-        values.update({str(k).replace("-", "_"): v for k, v in data.items()})
-    return values
-
-
-def check_server_args(config: Config) -> None:
-    """Every SGLang argument is a ``ServerArgs`` field slime-core does not set itself (before Ray starts)."""
-    from slimecore.engines.sglang_schema import server_args_fields
-
-    values = overrides(config)
-    for key in values:
-        if key in OWNED:
-            raise ConfigError(f"--sglang-{key.replace('_', '-')}: slime-core sets {key} itself from {OWNED[key]}; "
-                              "drop the flag")
-    fields = server_args_fields()
-    if fields is None:
-        return  # sglang is not installed here: the server checks its arguments where it runs
-    for key in values:
-        if key not in fields:
-            hint = difflib.get_close_matches(key, fields, n=1)
-            where = f"--sglang-config {config.sglang_config}" if key not in config.sglang_args else "the command line"
-            raise ConfigError(f"--sglang-{key.replace('_', '-')} (from {where}): SGLang's ServerArgs has no field "
-                              f"{key!r}" + (f"; did you mean {hint[0]!r} (--sglang-{hint[0].replace('_', '-')})?"
-                                            if hint else ""))
-
+from slimecore.config import Config
+from slimecore.engines.sglang_schema import overrides
 
 def server_args(config: Config, index: int, base_gpu_id: int, host: str, port: int,
                 api_key: str | None = None) -> dict:

@@ -20,8 +20,8 @@ Precision. Weights and optimizer state stay fp32; ``--bf16`` runs the forward in
 ``MixedPrecisionPolicy`` with fp32 gradient reduction). Pure-bf16 weights would lose small Adam updates.
 Log-prob and entropy math is always fp32 (``slimecore.ops``).
 
-Value model (role ``critic``, placed when a plugin's ``slime_train_roles`` returns it): the
-``--critic-hf-checkpoint`` backbone with a one-output token-classification head (``AutoModelForTokenClassification``,
+Value model (a role declared with ``model="value"`` through ``slime_train_roles``, as PPO's critic): the
+role's ``hf_checkpoint`` backbone with a one-output token-classification head (``AutoModelForTokenClassification``,
 ``num_labels=1``; the head is initialised from ``--seed``, identically on every rank). ``V`` of response token
 ``t`` is read at the same position that scores it (row ``prompt_len - 1 + t``), as slime does.
 
@@ -104,7 +104,7 @@ class FSDPBackend:
 
         self.is_value = value_model
         if self.is_value:
-            checkpoint = config.critic_hf_checkpoint or config.hf_checkpoint
+            checkpoint = config.hf_checkpoint
             hf_config = _without_dropout(checkpoint)
             hf_config.num_labels = 1
             from transformers.utils import logging as hf_logging
@@ -147,13 +147,9 @@ class FSDPBackend:
         if keep_reference and not config.use_lora:  # LoRA's reference is the model with its adapters disabled
             self._reference = ReferenceCopy((name, _local(p)) for name, p in self.model.named_parameters())
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        lr, warmup = config.lr, config.lr_warmup_iters
-        if self.is_value:
-            lr = config.critic_lr if config.critic_lr is not None else lr
-            warmup = config.critic_lr_warmup_iters if config.critic_lr_warmup_iters is not None else warmup
-        self.optimizer = torch.optim.AdamW(self.params, lr=lr, betas=(config.adam_beta1, config.adam_beta2),
+        self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                            eps=config.adam_eps, weight_decay=config.weight_decay)
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config, warmup, lr))
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
 
     def _shard(self) -> None:
         """FSDP2: shard every decoder layer, then the root (embeddings, norm, head). Not run on GPUs here."""

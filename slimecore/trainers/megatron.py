@@ -111,8 +111,12 @@ def check_startup(config, hooks) -> None:
     from transformers import AutoConfig
 
     check_config(config, config.actor_num_nodes * config.actor_num_gpus_per_node)
-    if any("critic" in (roles or ()) for roles in hooks.slime_train_roles(config=config)):
-        raise MegatronSetupError("a plugin asks for a critic (slime_train_roles); value models run on the fsdp "
+    from slimecore.trainers.roles import ACTOR, declared_roles
+
+    others = [role.name for role in declared_roles(config, hooks) if role.name != ACTOR]
+    if others:
+        raise MegatronSetupError(f"plugins ask for training role(s) {others} beside the actor (slime_train_roles); "
+                                 "the megatron backend trains the actor only, and value models run on the fsdp "
                                  "backend only for now: use --train-backend fsdp")
     find_bridge(config, hooks, AutoConfig.from_pretrained(config.hf_checkpoint))
 

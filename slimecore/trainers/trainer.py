@@ -20,6 +20,7 @@ import torch
 from slimecore.ops.reducers import Reducer, make_sample_mean_reducer, make_token_mean_reducer
 from slimecore.trainers.backend import TrainBackend, backend_class
 from slimecore.trainers.flops import forward_flops
+from slimecore.trainers.roles import role_config
 
 # per-sample lists turned into fp32 tensors before the hooks see the batch
 TENSOR_KEYS = ("loss_masks", "rollout_log_probs", "values", "returns")
@@ -30,13 +31,16 @@ class Trainer:
 
     ``hooks`` exposes ``train_inputs``, ``compute_advantages``, ``rollout_data_postprocess`` and ``loss``
     (keyword arguments only), as ``slimecore.plugins.Hooks`` does. ``options`` go to the backend's
-    constructor (the fsdp backend's ``shard`` and ``process_group``). Role ``critic`` is a value model.
+    constructor (the fsdp backend's ``shard`` and ``process_group``). The role's declaration
+    (``slimecore.trainers.roles``) says whether it is a value model and which of its own options (``lr``,
+    ``hf_checkpoint`` ...) it trains with.
     """
 
     def __init__(self, config, hooks, rank: int = 0, world_size: int = 1, role: str = "actor",
                  backend: str | None = None, **options):
+        spec, config = role_config(config, hooks, role)  # the role's own options (a critic's --critic-lr) applied
         self.config, self.hooks, self.role = config, hooks, role
-        self.is_value = role == "critic"
+        self.is_value = spec.model == "value"
         # Taken when the backend is built, before any load(): the reference policy is the initial checkpoint.
         keep_reference = not self.is_value and "ref_log_probs" in hooks.slime_train_inputs(config=config, role=role)
         self.backend: TrainBackend = backend_class(backend or config.train_backend)(
@@ -90,8 +94,9 @@ class Trainer:
             old, self._old_values = self._old_values, None
             data = {**data, **(old if old is not None else self.compute_values(data))}
         elif "values" in inputs and data.get("values") is None:
-            raise RuntimeError(f"slime_train_inputs asked for 'values' (role {role!r}) but no critic supplied them; "
-                               "the plugin that needs values must return 'critic' from slime_train_roles")
+            raise RuntimeError(f"slime_train_inputs asked for 'values' (role {role!r}) but no value model fed them; "
+                               f"the plugin that needs values must declare a value role whose scores feed {role!r} "
+                               "(slime_train_roles)")
         temperature = config.rollout_temperature
         batch = {k: v for k, v in data.items() if k != "steps"}
         for key in TENSOR_KEYS:

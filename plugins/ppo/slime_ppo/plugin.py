@@ -2,10 +2,11 @@
 
 Variant implemented (slime's ``compute_advantages_and_returns``, ``policy_loss_function`` and
 ``value_loss_function``; the estimators are in ``slime_ppo.algorithm``):
-- ``--advantage-estimator ppo``: the plugin asks the core for a ``critic`` role (``slime_train_roles``); the
-  critic's values (before its update) reach the actor's batch, the actor computes GAE advantages and
-  returns, and the critic trains on those returns with the clipped value loss (``--value-clip``).
-  ``--num-critic-only-steps N``: the actor does not update for the first N rollouts.
+- ``--advantage-estimator ppo``: the plugin declares a ``critic`` role (``slime_train_roles``: a value model
+  fed the actor's outputs, with ``--critic-lr``, ``--critic-lr-warmup-iters``, ``--critic-hf-checkpoint``) and
+  feeds the actor the critic's scores: the critic's values (before its update) reach the actor's batch, the
+  actor computes GAE advantages and returns, and the critic trains on those returns with the clipped value
+  loss (``--value-clip``). ``--num-critic-only-steps N``: the actor does not update for the first N rollouts.
 - ``reinforce_plus_plus``: token-level discounted returns with the KL penalty in the reward.
 - ``reinforce_plus_plus_baseline``: group-mean-centred reward (no std division) minus the KL penalty.
 - KL in reward (``--kl-coef``): ``kl_t = approx_kl(logp_old, logp_ref, --kl-loss-type)`` where ``logp_old`` is
@@ -32,6 +33,7 @@ from slimecore.config import ConfigError, Option
 from slimecore.ops.kl import approx_kl
 from slimecore.ops.masked import masked_whiten
 from slimecore.ops.ppo_clip import policy_loss
+from slimecore.trainers.roles import Feed, TrainRole
 from slimecore.types import Status
 
 NAME = "ppo"
@@ -45,7 +47,13 @@ def slime_options():
                    "reinforce_plus_plus_baseline: group-centred reward minus KL.", choices=ESTIMATORS),
             Option("gamma", float, 1.0, "Discount factor of GAE and REINFORCE++ returns."),
             Option("lambd", float, 1.0, "GAE lambda."),
-            Option("value_clip", float, 0.2, "Clip range of the value loss around the old values.")]
+            Option("value_clip", float, 0.2, "Clip range of the value loss around the old values."),
+            # the critic (--advantage-estimator ppo); slime's flag names
+            Option("critic_hf_checkpoint", str, None, "Checkpoint the critic starts from (default: --hf-checkpoint); "
+                   "a scalar value head is added on top."),
+            Option("critic_lr", float, None, "Critic learning rate (default: --lr)."),
+            Option("critic_lr_warmup_iters", int, None, "Critic warm-up optimizer steps (default: --lr-warmup-iters)."),
+            Option("num_critic_only_steps", int, 0, "First N rollouts train only the critic; the actor starts after.")]
 
 
 @hookimpl
@@ -58,14 +66,22 @@ def slime_validate_config(config):
                           "(slime asserts it for both REINFORCE++ variants); add --normalize-advantages")
     if o.value_clip <= 0:
         raise ConfigError(f"--value-clip must be > 0 (got {o.value_clip})")
-    if config.num_critic_only_steps and o.advantage_estimator != "ppo":
-        raise ConfigError(f"--num-critic-only-steps {config.num_critic_only_steps} needs a critic, which only "
+    if o.num_critic_only_steps and o.advantage_estimator != "ppo":
+        raise ConfigError(f"--num-critic-only-steps {o.num_critic_only_steps} needs a critic, which only "
                           f"--advantage-estimator ppo has (got {o.advantage_estimator}); drop the flag")
 
 
 @hookimpl
 def slime_train_roles(config):
-    return ["critic"] if config.plugin(NAME).advantage_estimator == "ppo" else []
+    """PPO's critic: a value model that scores each batch for the actor's GAE, then trains on the actor's returns."""
+    o = config.plugin(NAME)
+    if o.advantage_estimator != "ppo":
+        return []
+    critic = TrainRole("critic", model="value", feeds=[Feed("actor", "outputs")],
+                       options={"hf_checkpoint": o.critic_hf_checkpoint, "lr": o.critic_lr,
+                                "lr_warmup_iters": o.critic_lr_warmup_iters})
+    actor = TrainRole("actor", feeds=[Feed("critic", "scores")], update_from=o.num_critic_only_steps)
+    return [actor, critic]
 
 
 @hookimpl

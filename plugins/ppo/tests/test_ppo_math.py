@@ -7,6 +7,7 @@ import torch
 from slime_ppo.algorithm import gae, reinforce_plus_plus_baseline, reinforce_plus_plus_returns, value_loss
 from slimecore.config import Config, ConfigError
 from slimecore.plugins import PluginError, installed_entry_points, load_plugins
+from slimecore.trainers.roles import Feed, declared_roles
 
 
 def test_gae_gamma_lambda_one_gives_reward_minus_value():
@@ -95,9 +96,8 @@ def test_discovered_options_and_validation():
 
 def test_critic_only_steps_need_the_ppo_estimator():
     defaults = {o.name: o.default for o in load_plugins(["ppo"]).slime_options()["ppo"]}
-    config = Config.make(num_critic_only_steps=2, plugins=["ppo"],
-                         plugin_values={"ppo": defaults | {"advantage_estimator": "reinforce_plus_plus",
-                                                           "normalize_advantages": True}})
+    config = Config.make(plugins=["ppo"], plugin_values={"ppo": defaults | {
+        "advantage_estimator": "reinforce_plus_plus", "normalize_advantages": True, "num_critic_only_steps": 2}})
     with pytest.raises(ConfigError, match="--num-critic-only-steps 2 needs a critic"):
         load_plugins(["ppo"]).slime_validate_config(config=config)
 
@@ -105,8 +105,14 @@ def test_critic_only_steps_need_the_ppo_estimator():
 def test_alone_it_is_a_complete_algorithm_and_asks_for_a_critic_only_with_gae():
     hooks = load_plugins(["ppo"])
     hooks.check()  # advantages, loss and rewards are all answered
-    assert hooks.slime_train_roles(config=_config()) == [["critic"]]
-    assert hooks.slime_train_roles(config=_config(advantage_estimator="reinforce_plus_plus")) == [[]]
+    roles = declared_roles(_config(num_critic_only_steps=2, critic_lr=0.5), hooks)
+    assert [(r.name, r.model) for r in roles] == [("actor", "policy"), ("critic", "value")]
+    actor, critic = roles  # the critic scores the batch for the actor, then trains on the actor's returns
+    assert actor.feeds == (Feed("critic", "scores"),) and critic.feeds == (Feed("actor", "outputs"),)
+    assert not actor.updates(1) and actor.updates(2) and critic.updates(0)
+    assert critic.configure(_config()).lr == 0.5  # --critic-lr
+    assert declared_roles(_config(), hooks)[1].configure(_config()).lr == _config().lr  # default: --lr
+    assert [r.name for r in declared_roles(_config(advantage_estimator="reinforce_plus_plus"), hooks)] == ["actor"]
     assert "values" in hooks.slime_train_inputs(config=_config(), role="actor")
     assert not hooks.slime_train_inputs(config=_config(), role="critic")
     inputs = hooks.slime_train_inputs(config=_config(kl_coef=0.1), role="actor")
