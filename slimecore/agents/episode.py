@@ -59,7 +59,7 @@ async def run_episode(config, sample: Sample, client, hooks, sampling_params: di
     if sample.response_length:
         sample.reset_response()  # an aborted episode starts again: a half-run agent cannot be resumed
     state = server.open(sampling_params, pinned=PINNED_IN_TRAINING)
-    session = AgentSession(state, server.url, server.model, sample)
+    session = AgentSession(state, server, sample)
     timeout = config.agent_timeout or DEFAULT_AGENT_TIMEOUT
     failure, reward = None, None
 

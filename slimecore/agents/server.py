@@ -5,7 +5,8 @@ event loop (so it answers whatever loop the rollout runs on, the fully-async wor
 request:
 
 1. names its session: header ``X-Session-Id``, else a ``session_id`` field in the body (``extra_body``),
-   else the API key (``Authorization: Bearer KEY`` / ``x-api-key: KEY``); an unknown or closed session is
+   else the API key (``Authorization: Bearer KEY`` / ``x-api-key: KEY``), or an alias the session added
+   (``AgentSession.alias``); an unknown or closed session is
    401 in the API's error shape;
 2. is read and checked (``slimecore.agents.protocol``): a malformed message or tool schema is 400;
 3. is rendered to prompt ids with exact tokens for everything the model wrote before
@@ -55,6 +56,7 @@ class SessionState:
     aborted: bool = False
     ignored_sampling: int = 0
     errors: list[str] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)  # other ids a client may name this session by
 
     def params(self, req: TurnRequest) -> dict:
         """Engine sampling params for one request: the session's, with what the client may change."""
@@ -145,9 +147,21 @@ class SessionServer:
             self._sessions[sid] = state
         return state
 
+    def alias(self, session_id: str, key: str) -> None:
+        """Record requests that name ``key`` (as session header, ``session_id`` field or API key) in session
+        ``session_id`` too, until it closes: for a client that sends its own per-conversation id (verifiers'
+        interception sends its trace id as ``X-Session-ID``)."""
+        with self._lock:
+            state = self._sessions[session_id]
+            if self._sessions.setdefault(key, state) is not state:
+                raise ValueError(f"{key!r} already names another open session")
+            state.aliases.append(key)
+
     def close(self, session_id: str) -> SessionState:
         with self._lock:
             state = self._sessions.pop(session_id)
+            for key in state.aliases:
+                self._sessions.pop(key, None)
             state.closed = True
         return state
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from slimecore.agents.server import SessionState
+from slimecore.agents.server import SessionServer, SessionState
 from slimecore.types import Sample
 
 
@@ -47,15 +47,20 @@ class AgentProcess:
 
 
 class AgentSession:
-    def __init__(self, state: SessionState, root_url: str, model: str, sample: Sample):
-        self.state, self.sample, self.model = state, sample, model
+    def __init__(self, state: SessionState, server: SessionServer, sample: Sample):
+        self.state, self.sample, self.model, self._server = state, sample, server.model, server
         self.id = self.api_key = state.id
-        self.anthropic_base_url = root_url
-        self.base_url = root_url + "/v1"
+        self.anthropic_base_url = server.url
+        self.base_url = server.url + "/v1"
 
     @property
     def turns(self) -> int:
         return len(self.state.trajectory.turns)
+
+    def alias(self, key: str) -> None:
+        """Also record the requests that name ``key`` as their session (header, ``session_id`` field or API key)
+        in this session: for a client that sends an id of its own, such as a framework's trace id."""
+        self._server.alias(self.id, key)
 
     def env(self) -> dict[str, str]:
         """Environment variables that point the OpenAI and Anthropic SDKs (and CLIs built on them) at this session."""
