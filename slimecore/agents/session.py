@@ -16,7 +16,8 @@ Fields: ``base_url`` (OpenAI style, ends in ``/v1``), ``anthropic_base_url`` (th
 ``/v1/messages``), ``api_key`` (the session id: every request with it is recorded in this session),
 ``model`` (the name the server reports), ``sample`` (the prompt being played). ``env()`` holds
 ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``, ``OPENAI_MODEL``,
-``ANTHROPIC_MODEL`` and ``SLIME_SESSION_ID``. ``turns`` counts the model calls recorded so far.
+``ANTHROPIC_MODEL`` and ``SLIME_SESSION_ID``. ``turns`` counts the model calls recorded so far. ``alias(key)``
+lets a client name the session by an id of its own (verifiers sends its trace id as ``X-Session-ID``).
 """
 
 from __future__ import annotations

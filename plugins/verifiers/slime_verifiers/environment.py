@@ -38,19 +38,26 @@ class EnvironmentSpec:
 class VerifiersEnvironment:
     def __init__(self, spec: EnvironmentSpec):
         self.spec = spec
+        flags = f"--vf-env {spec.env_id} / --vf-env-args / --vf-harness {spec.harness}"
         try:
-            config = vf.resolve_env_config({"taskset": {"id": spec.env_id, **spec.env_args},
-                                            "agent": {"harness": {"id": spec.harness}, "max_turns": spec.max_turns,
-                                                      "runtime": {"type": "subprocess"}}})
             env_class = vf.environment_class(spec.env_id)
-            taskset = vf.load_taskset(config.taskset)
-        except (ImportError, ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
-            raise VerifiersSetupError(f"--vf-env {spec.env_id} / --vf-env-args / --vf-harness {spec.harness}: {exc}"
-                                    ) from None
+        except ValueError as exc:  # a package exporting several Envs
+            raise VerifiersSetupError(f"{flags}: {exc}") from None
         if env_class is not vf.SingleAgentEnv:
             raise VerifiersSetupError(
                 f"--vf-env {spec.env_id} runs its episodes with {env_class.__name__}, a multi-agent Env; this "
                 "plugin plays single-agent environments (one harness per episode, every plain taskset)")
+        try:
+            config = vf.resolve_env_config({"taskset": {"id": spec.env_id, **spec.env_args},
+                                            "agent": {"harness": {"id": spec.harness}, "max_turns": spec.max_turns,
+                                                      "runtime": {"type": "subprocess"}}})
+            taskset = vf.load_taskset(config.taskset)
+        except (ImportError, ValueError, TypeError) as exc:  # pydantic's ValidationError is a ValueError
+            raise VerifiersSetupError(f"{flags}: {exc}") from None
+        if type(taskset).toolsets(taskset.config):
+            raise VerifiersSetupError(
+                f"--vf-env {spec.env_id} declares taskset-scoped (shared) tool servers (Taskset.toolsets); this "
+                "plugin starts tools per rollout only: declare them on the task (Task.toolsets)")
         if not taskset.bounded and spec.num_tasks is None:
             raise VerifiersSetupError(f"--vf-env {spec.env_id} is an infinite taskset: give --vf-num-tasks")
         self.tasks: list[vf.Task] = list(taskset.take(spec.num_tasks) if spec.num_tasks else taskset)

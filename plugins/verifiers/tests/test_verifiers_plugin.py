@@ -46,6 +46,8 @@ def test_discovered_with_its_hooks():
     (["--vf-harness", "no_such_harness"], "harness 'no_such_harness' not found"),
     (["--vf-num-tasks", "0"], "--vf-num-tasks must be at least 1"),
     (["--prompt-data", "x.jsonl", "--rollout-batch-size", "2"], "drop --prompt-data"),
+    (["--vf-env", "vf_two_agent_env"], "TwoAgentEnv, a multi-agent Env"),  # tests/vf_two_agent_env.py
+    (["--vf-env", "vf_shared_tools_taskset"], "taskset-scoped \\(shared\\) tool servers"),
 ])
 def test_bad_flags_are_start_up_errors(argv, message):
     with pytest.raises(ConfigError, match=message):
