@@ -66,14 +66,17 @@ class VerifiersEnvironment:
         self.agent_config = config.agent
         self.default_harness = default_agent_harness(spec.env_id)
         self._agent: vf.Agent | None = None
+        self._agent_key: tuple | None = None
 
     def agent(self, session, sampling: dict[str, Any]) -> vf.Agent:
-        """The agent seat on this process's session server (one for the run: same endpoint, model, sampling)."""
-        if self._agent is None:
+        """The agent seat for this session's server (rebuilt when the server or the sampling changes, e.g. a
+        session server started again in the same process)."""
+        key = (session.base_url, session.model, tuple(sorted(sampling.items())))
+        if self._agent is None or self._agent_key != key:
             client = vf.EvalClientConfig(base_url=session.base_url, api_key_var=API_KEY_VARIABLE)
             config = resolve_agent(self.agent_config, model=session.model, client=client,
                                    sampling=vf.SamplingConfig(**sampling), harness=self.default_harness)
-            self._agent = vf.Agent(config)
+            self._agent, self._agent_key = vf.Agent(config), key
         return self._agent
 
     async def play(self, task: vf.Task, session, sampling: dict[str, Any]) -> vf.Trace:

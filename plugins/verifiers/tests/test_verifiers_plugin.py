@@ -97,3 +97,16 @@ def test_harness_programs_run_on_this_interpreter_and_missing_packages_are_named
     missing = '# /// script\n# dependencies = ["no-such-package-xyz>=1"]\n# ///\nprint(1)\n'
     with pytest.raises(MissingProgramDependencies, match="no-such-package-xyz>=1"):
         asyncio.run(run(missing))
+
+
+def test_the_agent_follows_the_session_server():
+    from types import SimpleNamespace
+
+    _, config = _config("--vf-env-args", '{"num_tasks": 2}')
+    env = plugin.environment(config)
+    first = SimpleNamespace(base_url="http://127.0.0.1:1/v1", model="m")
+    again = env.agent(first, {"max_tokens": 8})
+    assert env.agent(first, {"max_tokens": 8}) is again and again.ctx.client.base_url == first.base_url
+    moved = env.agent(SimpleNamespace(base_url="http://127.0.0.1:2/v1", model="m"), {"max_tokens": 8})
+    assert moved is not again and moved.ctx.client.base_url == "http://127.0.0.1:2/v1"
+    assert moved.config.harness.id == "null" and moved.config.sampling.max_tokens == 8
