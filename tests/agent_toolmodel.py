@@ -52,7 +52,9 @@ def teaching_rows(tokenizer) -> list[tuple[list[int], list[bool]]]:
     return rows
 
 
-def teach(base: Path, out: Path, steps: int = 200, lr: float = 1e-2) -> Path:
+def teach(base: Path, out: Path, steps: int = 100, lr: float = 1e-2) -> Path:
+    """16 rows (two ways to offer the tool x 4 episodes x 2 turns): 100 steps reproduce every row and make the call
+    on 8 of 10 unseen questions with either tool list (checked 2026-11-25), as 200 steps do."""
     from transformers import AutoTokenizer
 
     from slimecore.testing.tiny import teach_tiny
