@@ -3,6 +3,6 @@
 # constraints. Order matters: gspo depends on grpo (slime-core-grpo), so grpo comes first.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for name in grpo sft gspo ppo search_r1 models reasoning_gym; do
+for name in grpo sft gspo ppo search_r1 models reasoning_gym verifiers; do
   python -m pip install -q -c .ci/constraints.txt --no-build-isolation -e "plugins/$name"
 done

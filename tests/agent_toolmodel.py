@@ -13,6 +13,11 @@ import pytest
 
 TOOL_SCHEMA = {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}}
 OPENAI_TOOLS = [{"type": "function", "function": {"name": "add", "description": "a+b", "parameters": TOOL_SCHEMA}}]
+# The same tool as verifiers' MCP server advertises it (plugins/verifiers' example AddToolset), so a verifiers
+# harness gets the taught call too.
+VERIFIERS_TOOLS = [{"type": "function", "function": {"name": "add", "description": "a+b", "parameters": {
+    "properties": {"a": {"title": "A", "type": "number"}, "b": {"title": "B", "type": "number"}},
+    "required": ["a", "b"], "title": "addArguments", "type": "object"}}}]
 ANTHROPIC_TOOLS = [{"name": "add", "description": "a+b", "input_schema": TOOL_SCHEMA}]
 CALL = '<tool_call>\n{"name": "add", "arguments": {"a": 1, "b": 2}}\n</tool_call>'
 ANSWER = "The answer is 3"
@@ -23,16 +28,17 @@ def question(a: int) -> str:
 
 
 def teaching_rows(tokenizer) -> list[tuple[list[int], list[bool]]]:
-    """(token ids, trained) of both turns of a few episodes, as the session layer renders them."""
+    """(token ids, trained) of both turns of a few episodes with each way the tool is offered, as the session layer
+    renders them."""
     from slimecore.agents.chat import ChatTemplate
     from slimecore.agents.protocol import parse_openai
     from slimecore.agents.trajectory import Trajectory
 
-    tools = parse_openai({"messages": [{"role": "user", "content": "x"}], "tools": OPENAI_TOOLS}).tools
     trajectory = Trajectory(ChatTemplate(tokenizer))
     eos = [tokenizer.eos_token_id]
     rows = []
-    for a in (3, 28, 55, 76):
+    for offered, a in [(offered, a) for offered in (OPENAI_TOOLS, VERIFIERS_TOOLS) for a in (3, 28, 55, 76)]:
+        tools = parse_openai({"messages": [{"role": "user", "content": "x"}], "tools": offered}).tools
         first = [{"role": "user", "content": question(a)}]
         call_ids = list(tokenizer(CALL, add_special_tokens=False)["input_ids"]) + eos
         prompt = trajectory.prompt(first, tools)
@@ -46,7 +52,9 @@ def teaching_rows(tokenizer) -> list[tuple[list[int], list[bool]]]:
     return rows
 
 
-def teach(base: Path, out: Path, steps: int = 200, lr: float = 1e-2) -> Path:
+def teach(base: Path, out: Path, steps: int = 100, lr: float = 1e-2) -> Path:
+    """16 rows (two ways to offer the tool x 4 episodes x 2 turns): 100 steps reproduce every row and make the call
+    on 8 of 10 unseen questions with either tool list (checked 2026-11-25), as 200 steps do."""
     from transformers import AutoTokenizer
 
     from slimecore.testing.tiny import teach_tiny

@@ -58,7 +58,7 @@ async def run_episode(config, sample: Sample, client, agent: AgentHook, sampling
     if sample.response_length:
         sample.reset_response()  # an aborted episode starts again: a half-run agent cannot be resumed
     state = server.open(sampling_params, pinned=PINNED_IN_TRAINING)
-    session = AgentSession(state, server.url, server.model, sample)
+    session = AgentSession(state, server, sample)
     timeout = config.agent_timeout or DEFAULT_AGENT_TIMEOUT
     failure, reward = None, None
 

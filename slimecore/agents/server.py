@@ -5,7 +5,8 @@ event loop (so it answers whatever loop the rollout runs on, the fully-async wor
 request:
 
 1. names its session: header ``X-Session-Id``, else a ``session_id`` field in the body (``extra_body``),
-   else the API key (``Authorization: Bearer KEY`` / ``x-api-key: KEY``); an unknown or closed session is
+   else the API key (``Authorization: Bearer KEY`` / ``x-api-key: KEY``), or an alias the session added
+   (``AgentSession.alias``); an unknown or closed session is
    401 in the API's error shape;
 2. is read and checked (``slimecore.agents.protocol``): a malformed message or tool schema is 400;
 3. is rendered to prompt ids with exact tokens for everything the model wrote before
@@ -55,6 +56,7 @@ class SessionState:
     aborted: bool = False
     ignored_sampling: int = 0
     errors: list[str] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)  # other ids a client may name this session by
 
     def params(self, req: TurnRequest) -> dict:
         """Engine sampling params for one request: the session's, with what the client may change."""
@@ -90,9 +92,7 @@ class SessionServer:
         self.host, self.port = host, port
         self._sessions: dict[str, SessionState] = {}
         self._lock = threading.Lock()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._thread: threading.Thread | None = None
-        self._runner: web.AppRunner | None = None
+        self._handle: ThreadedApp | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -100,37 +100,14 @@ class SessionServer:
         return f"http://{self.host}:{self.port}"
 
     def start(self, timeout: float = 30) -> SessionServer:
-        started, failure = threading.Event(), []
-
-        def serve():
-            self._loop = asyncio.new_event_loop()
-            try:
-                self._runner = web.AppRunner(self._app(), access_log=None)
-                self._loop.run_until_complete(self._runner.setup())
-                site = web.TCPSite(self._runner, self.host, self.port)
-                self._loop.run_until_complete(site.start())
-                self.port = site._server.sockets[0].getsockname()[1]
-            except BaseException as exc:  # reported by start()
-                failure.append(exc)
-                started.set()
-                return
-            started.set()
-            self._loop.run_forever()
-            self._loop.run_until_complete(self._runner.cleanup())
-            self._loop.run_until_complete(self.client.close())  # this loop's engine connections
-            self._loop.close()
-
-        self._thread = threading.Thread(target=serve, name="slimecore-agent-sessions", daemon=True)
-        self._thread.start()
-        if not started.wait(timeout) or failure:
-            raise RuntimeError(f"the agent session server did not start on {self.host}:{self.port}: "
-                               f"{failure[0] if failure else 'timed out'}")
+        self._handle = serve_in_thread(self.app(), self.host, self.port, "slimecore-agent-sessions",
+                                       on_stop=self.client.close, timeout=timeout)  # that loop's engine connections
+        self.port = self._handle.port
         return self
 
     def stop(self) -> None:
-        if self._loop is not None and self._thread is not None and self._thread.is_alive():
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join(timeout=30)
+        if self._handle is not None:
+            self._handle.stop()
 
     # -- sessions ----------------------------------------------------------------------------
     def open(self, sampling: dict | None = None, pinned: Iterable[str] = (), session_id: str | None = None
@@ -145,9 +122,21 @@ class SessionServer:
             self._sessions[sid] = state
         return state
 
+    def alias(self, session_id: str, key: str) -> None:
+        """Record requests that name ``key`` (as session header, ``session_id`` field or API key) in session
+        ``session_id`` too, until it closes: for a client that sends its own per-conversation id (verifiers'
+        interception sends its trace id as ``X-Session-ID``)."""
+        with self._lock:
+            state = self._sessions[session_id]
+            if self._sessions.setdefault(key, state) is not state:
+                raise ValueError(f"{key!r} already names another open session")
+            state.aliases.append(key)
+
     def close(self, session_id: str) -> SessionState:
         with self._lock:
             state = self._sessions.pop(session_id)
+            for key in state.aliases:
+                self._sessions.pop(key, None)
             state.closed = True
         return state
 
@@ -205,7 +194,9 @@ class SessionServer:
         return choices
 
     # -- HTTP ----------------------------------------------------------------------------------
-    def _app(self) -> web.Application:
+    def app(self) -> web.Application:
+        """The endpoints as an aiohttp application (``start()`` serves it on its own thread; any aiohttp runner
+        may serve it instead)."""
         app = web.Application(client_max_size=256 * 1024**2)
         app.router.add_post("/v1/chat/completions", self._endpoint("openai"))
         app.router.add_post("/v1/messages", self._endpoint("anthropic"))
@@ -247,6 +238,54 @@ class SessionServer:
             return response
 
         return handle
+
+
+@dataclass
+class ThreadedApp:
+    """An aiohttp application served on its own thread and event loop; ``stop()`` ends both."""
+
+    port: int
+    loop: asyncio.AbstractEventLoop
+    thread: threading.Thread
+
+    def stop(self) -> None:
+        if self.thread.is_alive():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self.thread.join(timeout=30)
+
+
+def serve_in_thread(app: web.Application, host: str = "127.0.0.1", port: int = 0, name: str = "aiohttp-app", *,
+                    on_stop: Callable | None = None, runner_kwargs: dict | None = None,
+                    timeout: float = 30) -> ThreadedApp:
+    """Serve ``app`` on ``host:port`` (0: a free port) from a new thread with its own event loop, so it answers
+    whatever loop the caller runs; ``on_stop`` (a coroutine function) runs on that loop before it closes."""
+    started, failure, box = threading.Event(), [], {}
+
+    def serve():
+        loop = asyncio.new_event_loop()
+        box["loop"] = loop
+        runner = web.AppRunner(app, **{"access_log": None, **(runner_kwargs or {})})
+        try:
+            loop.run_until_complete(runner.setup())
+            site = web.TCPSite(runner, host, port)
+            loop.run_until_complete(site.start())
+            box["port"] = site._server.sockets[0].getsockname()[1]
+        except BaseException as exc:  # reported by the caller
+            failure.append(exc)
+            started.set()
+            return
+        started.set()
+        loop.run_forever()
+        loop.run_until_complete(runner.cleanup())
+        if on_stop is not None:
+            loop.run_until_complete(on_stop())
+        loop.close()
+
+    thread = threading.Thread(target=serve, name=name, daemon=True)
+    thread.start()
+    if not started.wait(timeout) or failure:
+        raise RuntimeError(f"{name} did not start on {host}:{port}: {failure[0] if failure else 'timed out'}")
+    return ThreadedApp(box["port"], box["loop"], thread)
 
 
 def served_model_name(checkpoint: str | None) -> str:

@@ -16,7 +16,8 @@ Fields: ``base_url`` (OpenAI style, ends in ``/v1``), ``anthropic_base_url`` (th
 ``/v1/messages``), ``api_key`` (the session id: every request with it is recorded in this session),
 ``model`` (the name the server reports), ``sample`` (the prompt being played). ``env()`` holds
 ``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL``, ``ANTHROPIC_API_KEY``, ``OPENAI_MODEL``,
-``ANTHROPIC_MODEL`` and ``SLIME_SESSION_ID``. ``turns`` counts the model calls recorded so far.
+``ANTHROPIC_MODEL`` and ``SLIME_SESSION_ID``. ``turns`` counts the model calls recorded so far. ``alias(key)``
+lets a client name the session by an id of its own (verifiers sends its trace id as ``X-Session-ID``).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from slimecore.agents.server import SessionState
+from slimecore.agents.server import SessionServer, SessionState
 from slimecore.types import Sample
 
 
@@ -47,15 +48,20 @@ class AgentProcess:
 
 
 class AgentSession:
-    def __init__(self, state: SessionState, root_url: str, model: str, sample: Sample):
-        self.state, self.sample, self.model = state, sample, model
+    def __init__(self, state: SessionState, server: SessionServer, sample: Sample):
+        self.state, self.sample, self.model, self._server = state, sample, server.model, server
         self.id = self.api_key = state.id
-        self.anthropic_base_url = root_url
-        self.base_url = root_url + "/v1"
+        self.anthropic_base_url = server.url
+        self.base_url = server.url + "/v1"
 
     @property
     def turns(self) -> int:
         return len(self.state.trajectory.turns)
+
+    def alias(self, key: str) -> None:
+        """Also record the requests that name ``key`` as their session (header, ``session_id`` field or API key)
+        in this session: for a client that sends an id of its own, such as a framework's trace id."""
+        self._server.alias(self.id, key)
 
     def env(self) -> dict[str, str]:
         """Environment variables that point the OpenAI and Anthropic SDKs (and CLIs built on them) at this session."""

@@ -32,7 +32,7 @@ class Sessions:
         from slimecore.types import Sample
 
         state = self.server.open({"max_new_tokens": 32, **sampling}, pinned=pinned)
-        return AgentSession(state, self.server.url, self.server.model, sample or Sample(index=0, group_index=0))
+        return AgentSession(state, self.server, sample or Sample(index=0, group_index=0))
 
     def finish(self, session) -> list:
         """Close ``session`` and return its samples (one per branch of its history, one ``rollout_id``)."""

@@ -1,0 +1,1 @@
+"""Verifiers environments as a slime-core plugin (see plugin.py)."""
