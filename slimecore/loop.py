@@ -44,9 +44,10 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None,
     wait = config.ray_timeout
     pg, train_bundles, engine_bundles = create_placement(config, ["actor", *extra_roles])
     rollout = ray.remote(RolloutManager).options(num_cpus=0).remote(config.to_dict(), pg, engine_bundles)
-    ray_get(rollout.__ray_ready__.remote(), "the rollout manager (engines, router, data source) to start", wait)
+    # the train ranks load while the manager starts its engines and router: neither waits for the other
     train = None if config.debug_rollout_only else TrainGroup(config, pg, train_bundles["actor"])
     critic = TrainGroup(config, pg, train_bundles["critic"], role="critic") if train and extra_roles else None
+    ray_get(rollout.__ray_ready__.remote(), "the rollout manager (engines, router, data source) to start", wait)
     groups = {"actor": train, "critic": critic} if critic else {"actor": train} if train else {}
     dp_size = train.dp_size if train else 1
 
