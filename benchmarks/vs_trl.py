@@ -209,6 +209,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", choices=sorted(CONFIGS), default="tiny")
     parser.add_argument("--repeat", type=int, default=2, help="runs of each side, alternated")
+    parser.add_argument("--steps", type=int, default=None, help="steps per run on both sides (default: the config's)")
     parser.add_argument("--warmup", type=int, default=1, help="first steps of every run left out of the medians")
     parser.add_argument("--threads", type=int, default=2, help="torch threads on both sides")
     parser.add_argument("--idle-load", type=float, default=1.0, help="wait for a 1-min load average under this")
@@ -223,7 +224,7 @@ def main() -> None:
         os.environ.setdefault(key, value)
     import trl
 
-    work = CONFIGS[args.config]
+    work = {**CONFIGS[args.config], **({"steps": args.steps} if args.steps else {})}
     sides = {"trl": run_trl, "slime-core": run_slime}
     runs: dict[str, list[dict]] = {name: [] for name in sides}
     with tempfile.TemporaryDirectory() as tmp:
