@@ -106,9 +106,10 @@ class Job:
         self.tracker = Tracker(config, [f"{p.name} ({p.origin})" for p in hooks.plugins])
         self.pg, train_bundles, engine_bundles = create_placement(config, [role.name for role in roles])
         self.rollout = ray.remote(RolloutManager).options(num_cpus=0).remote(config.to_dict(), self.pg, engine_bundles)
+        # the train ranks load while the manager starts its engines and router: neither waits for the other
+        self.trainers = None if config.debug_rollout_only else RoleGroups(config, roles, self.pg, train_bundles)
         ray_get(self.rollout.__ray_ready__.remote(), "the rollout manager (engines, router, data source) to start",
                 self.wait)
-        self.trainers = None if config.debug_rollout_only else RoleGroups(config, roles, self.pg, train_bundles)
         self.groups = self.trainers.groups if self.trainers else {}
         self.dp_size = self.trainers.actor.dp_size if self.trainers else 1
         self.start, self.version = checkpoint.load(config, self.groups, self.rollout) if config.load else (0, 0)

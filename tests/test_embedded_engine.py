@@ -4,6 +4,7 @@ log-probs against an unpadded forward, batching and joining, abort, pause, weigh
 from __future__ import annotations
 
 import asyncio
+import copy
 import threading
 import time
 
@@ -210,6 +211,27 @@ def test_concurrent_requests_share_a_wave_and_match_unpadded_forwards(embedded_e
     assert http_json("GET", server.url + "/server_info")[1]["internal_states"][0]["waves"] == waves + 1
     for prompt, out in zip(prompts, outs):
         assert_logprobs_match(server, prompt, out)  # rows that left early did not disturb the others
+
+
+def test_greedy_batch_equals_model_generate(embedded_engine):
+    """A greedy wave of prompts of different lengths gives model.generate's tokens on the same left-padded
+    batch, row for row (benchmarks/engine_decode.py times this same comparison)."""
+    server = embedded_engine
+    prompts = [[5, 6, 7], [9], [10, 11, 12, 13, 14, 15], [3, 4]]
+    reqs = [server.submit(server.new_request({"input_ids": p, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 12, "ignore_eos": True}})) for p in prompts]
+    for req in reqs:
+        assert req.done.wait(scaled(60))
+    width = max(map(len, prompts))
+    ids = torch.tensor([[server.pad_id] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width)[None, :] >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    config = copy.deepcopy(server.model.generation_config)
+    config.eos_token_id = None  # no stop token: generation never ends early, as with ignore_eos
+    with torch.inference_mode():
+        expected = server.model.generate(input_ids=ids, attention_mask=mask, generation_config=config,
+                                         max_new_tokens=12, do_sample=False,
+                                         pad_token_id=server.pad_id)[:, width:].tolist()
+    assert [r.output_ids for r in reqs] == expected
 
 
 def test_late_request_joins_the_running_batch(embedded_engine):
