@@ -97,9 +97,16 @@ class RolloutManager:
         running ``generate`` waits for it: the manager runs one call at a time)."""
         self.loop.run_until_complete(self.client.pause_for_update())
 
-    def resume_after_update(self, version: int) -> None:
+    def resume_after_update(self, version: int, trainers: list | None = None, transport: str | None = None) -> None:
+        """``trainers``: the train actors that pushed ``version`` over ``transport`` (they can push it again
+        to an engine restarted while no engine serves it, slimecore.engines.fleet)."""
         self.client.policy_version = version  # what the engines serve from now on (fully-async staleness)
         if self.fleet:
+            if trainers:
+                from slimecore.engines.fleet import TrainerPush
+
+                self.fleet.push_source = TrainerPush(trainers, transport, self.launcher.endpoint,
+                                                     self.config.ray_timeout)
             self.fleet.admit_pushed(str(version))
         self.loop.run_until_complete(self.client.continue_generation())
 
