@@ -238,12 +238,11 @@ def engine_hosts(config: Config, placement_group) -> tuple[str, str, str | None]
     from slimecore.raytools import is_multi_node, spans_nodes
 
     if config.rollout_host:
-        engine_bind = router_bind = config.rollout_host
-    elif spans_nodes(placement_group) or is_multi_node():
-        engine_bind, router_bind = "node", ray.util.get_node_ip_address()
-    else:
-        return "127.0.0.1", "127.0.0.1", None
-    return engine_bind, router_bind, None if router_bind in ("127.0.0.1", "localhost") else secrets.token_urlsafe(32)
+        host = config.rollout_host
+        return host, host, None if host in ("127.0.0.1", "localhost") else secrets.token_urlsafe(32)
+    if spans_nodes(placement_group) or is_multi_node():  # keyed even where a node's address is a loopback one
+        return "node", ray.util.get_node_ip_address(), secrets.token_urlsafe(32)
+    return "127.0.0.1", "127.0.0.1", None
 
 
 def convert_samples(hooks, config: Config, samples: list[Sample]) -> dict:
