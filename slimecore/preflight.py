@@ -179,14 +179,19 @@ def check_writable(directory: str, flag: str) -> None:
 def claim_log_dir(directory: str) -> None:
     """Two runs writing one ``--log-dir`` would interleave their metrics: the second stops, naming the first."""
     lock = Path(directory) / LOCK_FILE
-    if lock.is_file():
-        text = lock.read_text().strip()
-        if text.isdigit() and int(text) != os.getpid() and _alive(int(text)):
-            raise ConfigError(f"--log-dir {directory} is in use by another run (pid {text}); give this run its own "
-                              "--log-dir (and --save), or wait for that one to end")
     tmp = lock.with_suffix(f".tmp{os.getpid()}")
     tmp.write_text(str(os.getpid()))
-    os.replace(tmp, lock)
+    try:
+        os.link(tmp, lock)  # atomic: of two runs starting at once, exactly one makes the lock
+    except FileExistsError:
+        text = lock.read_text().strip()
+        if text.isdigit() and int(text) != os.getpid() and _alive(int(text)):
+            tmp.unlink()
+            raise ConfigError(f"--log-dir {directory} is in use by another run (pid {text}); give this run its own "
+                              "--log-dir (and --save), or wait for that one to end") from None
+        os.replace(tmp, lock)  # left by a run that ended without releasing it
+    else:
+        tmp.unlink()
 
 
 def release_log_dir(directory: str) -> None:

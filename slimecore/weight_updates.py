@@ -42,8 +42,10 @@ def sync_weights(config: Config, train, rollout, version: int) -> float:
         return seconds
     endpoints = ray_get(rollout.weight_endpoints.remote(), "the engines' addresses", wait)
     ray_get(rollout.pause_for_update.remote(), "the engines to pause and flush before a weight update", wait)
-    figures = train.push_weights(endpoints, version, resolve_transport(config, endpoints))
-    ray_get(rollout.resume_after_update.remote(version), "the engines to continue generating", wait)
+    transport = resolve_transport(config, endpoints)
+    figures = train.push_weights(endpoints, version, transport)
+    ray_get(rollout.resume_after_update.remote(version, train.actors, transport), "the engines to continue generating",
+            wait)
     return figures["seconds"]
 
 

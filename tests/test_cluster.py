@@ -16,11 +16,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from urllib.parse import urlparse
 
 import pytest
 
 pytest.importorskip("slime_grpo", reason="the grpo plugin is installed by scripts/setup.sh")
 psutil = pytest.importorskip("psutil")
+
+from slimecore.testing import timeout  # noqa: E402
+
+
+WORKER_IP = "127.0.0.2"  # the second node's own address (a loopback one: Linux routes all of 127.0.0.0/8 to lo)
+HERE = Path(__file__).parent
 
 
 def _free_ports(n: int) -> list[int]:
@@ -73,7 +80,8 @@ def _stop(process: subprocess.Popen) -> None:
 def _cluster_nodes(address: str) -> list[dict]:
     code = ("import json, ray; ray.init(address=%r, log_to_driver=False); "
             "print(json.dumps([n for n in ray.nodes() if n['Alive']])); ray.shutdown()" % address)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=_env())
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout(120),
+                         env=_env())
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -83,22 +91,23 @@ def two_node_cluster():
     gcs, dashboard, client = _free_ports(3)
     temp_dir = tempfile.mkdtemp(prefix="slrc", dir="/tmp")  # short: Ray's socket paths must fit 107 bytes
     ray_cli = str(Path(sys.executable).parent / "ray")
-    common = ["--block", "--node-ip-address", "127.0.0.1", "--num-cpus", "2", "--disable-usage-stats"]
+    common = ["--block", "--num-cpus", "2", "--disable-usage-stats"]
     head = subprocess.Popen([ray_cli, "start", "--head", "--port", str(gcs), "--ray-client-server-port", str(client),
                              "--include-dashboard", "true", "--dashboard-host", "127.0.0.1",
                              "--dashboard-port", str(dashboard), "--temp-dir", temp_dir,
                              "--object-store-memory", str(200 << 20), "--resources", '{"trainer": 2}',
-                             *common, *_node_ports()],
+                             "--node-ip-address", "127.0.0.1", *common, *_node_ports()],
                             env=_env(), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     processes = [head]
     try:
         address = f"127.0.0.1:{gcs}"
-        deadline = time.time() + 120
+        deadline = time.time() + timeout(120)
         while socket.socket().connect_ex(("127.0.0.1", gcs)) != 0:
             assert head.poll() is None and time.time() < deadline, "ray start --head did not come up"
             time.sleep(0.5)
         worker = subprocess.Popen([ray_cli, "start", "--address", address, "--object-store-memory", str(200 << 20),
-                                   "--resources", '{"rollout": 2}', *common, *_node_ports()],
+                                   "--resources", '{"rollout": 2}', "--node-ip-address", WORKER_IP, *common,
+                                   *_node_ports()],
                                   env=_env(), start_new_session=True, stdout=subprocess.DEVNULL,
                                   stderr=subprocess.DEVNULL)
         processes.append(worker)
@@ -106,7 +115,8 @@ def two_node_cluster():
             assert worker.poll() is None and time.time() < deadline, "the second raylet did not join"
             time.sleep(1)
         yield {"address": address, "dashboard": f"http://127.0.0.1:{dashboard}",
-               "node_of": {r: n["NodeID"] for n in nodes for r in ("trainer", "rollout") if r in n["Resources"]}}
+               "node_of": {r: n["NodeID"] for n in nodes for r in ("trainer", "rollout") if r in n["Resources"]},
+               "addresses": {n["NodeManagerAddress"] for n in nodes}}
     finally:
         for process in reversed(processes):
             _stop(process)
@@ -123,7 +133,7 @@ def _train_args(checkpoint: Path, log_dir: Path) -> list[str]:
 def _actor_nodes(cluster: dict, class_name: str) -> set[str]:
     out = subprocess.run([str(Path(sys.executable).parent / "ray"), "list", "actors", "--address",
                           cluster["dashboard"], "--filter", f"class_name={class_name}", "--format", "json",
-                          "--limit", "100"], capture_output=True, text=True, timeout=120, env=_env())
+                          "--limit", "100"], capture_output=True, text=True, timeout=timeout(120), env=_env())
     assert out.returncode == 0, out.stderr[-2000:]
     return {a["node_id"] for a in json.loads(out.stdout)}
 
@@ -136,12 +146,21 @@ def test_train_joins_a_two_node_cluster_engines_on_one_node_trainers_on_the_othe
                                                                                    tmp_path):
     args = _train_args(tiny_checkpoint, tmp_path / "run")
     args[0:1] = [sys.executable, "-m", "slimecore_cli"]
-    proc = subprocess.run([*args, "--ray-address", two_node_cluster["address"]], capture_output=True, text=True,
-                          timeout=300, env=_env())
+    addresses = tmp_path / "addresses.json"
+    proc = subprocess.run([*args, "--ray-address", two_node_cluster["address"], "--plugin",
+                           str(HERE / "address_plugin.py"), "--address-log", str(addresses)],
+                          capture_output=True, text=True, timeout=timeout(300), env=_env())
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
     assert _steps(tmp_path / "run") == [0, 1]
     assert _actor_nodes(two_node_cluster, "TrainActor") == {two_node_cluster["node_of"]["trainer"]}
     assert _actor_nodes(two_node_cluster, "EmbeddedEngineActor") == {two_node_cluster["node_of"]["rollout"]}
+    # the engines bound their own node's address, the router its node's (the head registers this host's
+    # address even when started with --node-ip-address 127.0.0.1); the run's key guards both
+    seen = json.loads(addresses.read_text())
+    assert WORKER_IP in two_node_cluster["addresses"]
+    assert {urlparse(url).hostname for url in seen["engines"]} == {WORKER_IP}, seen
+    assert urlparse(seen["router"]).hostname in two_node_cluster["addresses"], seen
+    assert seen["keyed"] and seen["engine_without_key"] == 401 and seen["router_without_key"] == 401, seen
     # the run joined the cluster: no local Ray instance was started beside it
     assert "Started a local Ray instance" not in proc.stdout + proc.stderr
 
@@ -150,7 +169,7 @@ def test_ray_job_submit_as_in_the_readme(two_node_cluster, tiny_checkpoint, tmp_
     ray_cli = str(Path(sys.executable).parent / "ray")
     proc = subprocess.run([ray_cli, "job", "submit", "--address", two_node_cluster["dashboard"], "--",
                            *_train_args(tiny_checkpoint, tmp_path / "job")], capture_output=True, text=True,
-                          timeout=300, env=_env())
+                          timeout=timeout(300), env=_env())
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "succeeded" in proc.stdout
     assert _steps(tmp_path / "job") == [0, 1]

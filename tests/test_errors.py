@@ -10,6 +10,7 @@ import pickle
 import pkgutil
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -18,6 +19,7 @@ from slimecore.config import Config, ConfigError
 from slimecore.errors import RewardFailureError, check_reward_failures, describe
 from slimecore.plugins import HookCallError
 from slimecore.agents.protocol import APIError
+from slimecore.testing import timeout
 from slimecore.types import Sample, Status
 
 
@@ -139,6 +141,22 @@ def test_two_runs_cannot_share_a_log_dir(tmp_path):
     assert (tmp_path / LOCK_FILE).read_text() == str(os.getpid())
     release_log_dir(str(tmp_path))
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+def test_runs_claiming_one_log_dir_at_the_same_instant_get_it_once(tmp_path):
+    """The lock is made atomically: of 6 runs that claim one --log-dir at the same moment, exactly one gets it."""
+    go = time.time() + 3
+    code = ("import sys, time\nfrom slimecore.config import ConfigError\n"
+            "from slimecore.preflight import claim_log_dir\n"
+            f"time.sleep(max(0, {go} - time.time()))\n"
+            "try:\n    claim_log_dir(sys.argv[1]); print('claimed', flush=True)\n"
+            "except ConfigError as exc:\n    print('refused', exc, flush=True)\n"
+            "time.sleep(3)\n")
+    runs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
+            for _ in range(6)]
+    answers = [run.communicate(timeout=timeout(60))[0] for run in runs]
+    assert sum(a.startswith("claimed") for a in answers) == 1, answers
+    assert all("is in use by another run" in a for a in answers if not a.startswith("claimed")), answers
 
 
 def test_test_timeouts_scale_from_one_place(monkeypatch):

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from slimecore.preflight import LOCK_FILE
 from slimecore.testing import timeout
 from slimecore.testing.tiny import make_tiny_checkpoint
 
@@ -183,6 +184,82 @@ def test_a_fault_inside_the_run_stops_it_with_the_original_message(case, tiny_ch
     assert seconds < timeout(120), f"{case}: failed after {seconds:.1f}s"
 
 
+class _RewardServer:
+    """A reward service on 127.0.0.1 (aiohttp, on a thread of the test process) that answers every request
+    with HTTP 500, or with a 200 whose body is not JSON; it counts the requests it got."""
+
+    ANSWERS = {"500": (500, "internal error: the judge model is down"), "junk": (200, "<html>busy</html>")}
+
+    def __init__(self, mode: str):
+        import asyncio
+        import threading
+
+        from aiohttp import web
+
+        from slimecore.engines.router import free_port
+
+        self.port, self.requests = free_port(), 0
+        self.url = f"http://127.0.0.1:{self.port}/reward"
+        status, body = self.ANSWERS[mode]
+
+        async def reward(request):
+            await request.json()
+            self.requests += 1
+            return web.Response(status=status, text=body)
+
+        app = web.Application()
+        app.router.add_post("/reward", reward)
+        self.loop, started = asyncio.new_event_loop(), threading.Event()
+
+        def serve():
+            runner = web.AppRunner(app)
+            self.loop.run_until_complete(runner.setup())
+            self.loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", self.port).start())
+            self.runner = runner
+            started.set()
+            self.loop.run_forever()
+            self.loop.run_until_complete(runner.cleanup())
+
+        self.thread = threading.Thread(target=serve, daemon=True)
+        self.thread.start()
+        assert started.wait(timeout(30)), "the reward server did not start"
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout(30))
+
+
+REMOTE_REWARD = {  # mode: (what the message says, attempts per sample)
+    "500": (["failed after 3 attempt(s) (--rm-max-retries); last error: HTTP 500: internal error: the judge model "
+             "is down"], 3),
+    "junk": (["answered 200 with a body that is not JSON: '<html>busy</html>'", "must answer a JSON number or object"],
+             1),
+}
+
+
+@pytest.mark.parametrize("mode", list(REMOTE_REWARD))
+def test_a_remote_reward_server_answering_errors_fails_the_run(mode, tiny_checkpoint, tmp_path):
+    """A real run whose --rm-url answers HTTP 500 (retried with backoff, then failed) or junk (not retried):
+    every sample is marked FAILED, the run stops at its first step with the URL and what was wrong, and no
+    step trains on reward 0."""
+    server = _RewardServer(mode)
+    try:
+        args = ["--prompt-data", _jsonl(tmp_path / "d.jsonl", ROWS), "--label-key", "label", "--rm-type", "remote_rm",
+                "--rm-url", server.url, "--rm-max-retries", "3", "--rm-retry-delay", "0.05"]
+        proc, seconds, _ = _train(_args(tiny_checkpoint, tmp_path, *args), timeout(120))
+    finally:
+        server.stop()
+    assert proc.returncode == 1, proc.stderr[-4000:]
+    last = " ".join(proc.stderr[proc.stderr.rindex("\nerror:"):].split())
+    expected, attempts = REMOTE_REWARD[mode]
+    for text in ["4 of 4 samples failed to be scored", f"remote_rm: POST {server.url}", *expected]:
+        assert text in last, (text, last)
+    assert server.requests == 4 * attempts  # 2 prompts x 2 samples, each tried `attempts` times
+    metrics = tmp_path / "log" / "metrics.jsonl"
+    assert not (metrics.is_file() and metrics.read_text().strip())  # no step was trained
+    assert seconds < timeout(120)
+
+
 # -- clean ends ----------------------------------------------------------------------------------------
 
 
@@ -229,3 +306,35 @@ def test_sigterm_mid_run_stops_everything_within_15s(tiny_checkpoint, tmp_path):
     time.sleep(1)  # processes reparented to init are reaped asynchronously
     left = _marked_processes(mark)
     assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in left if Path(f"/proc/{p}").exists()]
+
+
+def test_two_runs_side_by_side_do_not_collide(tiny_checkpoint, tmp_path):
+    """Two ``slime-core train`` processes at once, each starting its own Ray (its own ports, engines and
+    router on free ports): both finish with their own metrics; a third given the first one's --log-dir stops
+    before Ray starts, naming the run that holds it."""
+    runs = []
+    for name in ("a", "b"):
+        folder = tmp_path / name
+        folder.mkdir()
+        runs.append(subprocess.Popen(_args(tiny_checkpoint, folder, "--task", "compare", "--log-samples", "0"),
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    try:
+        lock = tmp_path / "a" / "log" / LOCK_FILE
+        deadline = time.monotonic() + timeout(60)
+        while not lock.is_file() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # its pre-Ray checks share 2 cores with both runs here: only the outcome is asserted, not their speed
+        third, _, stderr = _train(_args(tiny_checkpoint, tmp_path / "a"), timeout(120))
+        assert third.returncode == 2 and f"is in use by another run (pid {runs[0].pid})" in stderr, stderr[-2000:]
+        assert "Started a local Ray instance" not in stderr
+        errors = [run.communicate(timeout=timeout(300))[1] for run in runs]
+    finally:
+        for run in runs:
+            if run.poll() is None:
+                run.kill()
+    for run, err in zip(runs, errors):
+        assert run.returncode == 0, err[-4000:]
+        assert "Started a local Ray instance" in err  # each its own
+    for name in ("a", "b"):
+        steps = [json.loads(line) for line in (tmp_path / name / "log" / "metrics.jsonl").read_text().splitlines()]
+        assert [m["rollout/step"] for m in steps] == [0, 1]

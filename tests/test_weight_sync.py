@@ -133,7 +133,7 @@ needs_sglang = pytest.mark.skipif(sglang_root() is None, reason="the sglang whee
 def test_request_bodies_are_sglangs():
 
     named = [("w", torch.zeros(2, 3, dtype=torch.bfloat16))]
-    check_sglang_body("UpdateWeightsFromTensorReqInput", weight_sync.tensor_body("payload", 2, "3"))
+    check_sglang_body("UpdateWeightsFromTensorReqInput", weight_sync.tensor_body(["payload"] * 2, "3"))
     check_sglang_body("InitWeightsUpdateGroupReqInput",
                       weight_sync.init_group_body("127.0.0.1", 1234, 1, 3, "g", "gloo"))
     check_sglang_body("UpdateWeightsFromDistributedReqInput", weight_sync.distributed_body(named, "g", "3"))
@@ -145,7 +145,7 @@ def test_request_bodies_are_sglangs():
     check_sglang_body("ResumeMemoryOccupationReqInput", {"tags": ["weights"]})
     assert weight_sync.distributed_body(named, "g", "3")["dtypes"] == ["bfloat16"]  # SGLang does getattr(torch, d)
     with pytest.raises(AssertionError, match="bogus"):
-        check_sglang_body("UpdateWeightsFromTensorReqInput", {**weight_sync.tensor_body("p", 1, "3"), "bogus": 1})
+        check_sglang_body("UpdateWeightsFromTensorReqInput", {**weight_sync.tensor_body(["p"], "3"), "bogus": 1})
 
 
 def test_release_frees_the_weights_and_a_push_brings_them_back(tiny_checkpoint):
@@ -210,3 +210,26 @@ def test_a_changed_engine_set_gets_a_new_weight_group(tiny_checkpoint):
             assert second.weight_version == "2"
         finally:
             sender.close()
+
+
+def test_kept_shared_buffer_serves_engines_that_join_later(ray_session, tiny_checkpoint):
+    """Tensor pushes from one sender (its shared buffer kept across buckets and syncs) to engines in other
+    processes: two engines twice, then an engine started later (as one restarted after a fault) together with
+    them. Every engine opens the kept buffer and serves the pushed weights bit for bit."""
+    from slimecore.engines.embedded import launch_embedded_engines
+
+    engines = launch_embedded_engines(3, str(tiny_checkpoint), num_cpus=0.1, timeout=180)
+    sender = WeightSender(bucket_bytes=64 * 1024, timeout=120)
+    try:
+        for version, members in (("1", engines[:2]), ("2", engines[:2]), ("3", engines), ("4", engines)):
+            model = trainer_model(tiny_checkpoint, seed=20 + int(version))
+            buckets = weight_sync.bucketize(weight_sync.unique_tensors(model.state_dict().items()),
+                                            sender.bucket_bytes)
+            sender.push(buckets, [Endpoint(url) for _, url in members], version, "tensor")
+            expected = weight_sync.digest(model.state_dict().items())
+            for actor, url in members:
+                assert ray_session.get(actor.weights_digest.remote(), timeout=60) == expected, (version, url)
+                assert http_json("GET", url + "/model_info")[1]["weight_version"] == version
+    finally:
+        for actor, _ in engines:
+            ray_session.kill(actor)

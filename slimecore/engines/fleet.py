@@ -1,15 +1,31 @@
 """The engines behind the router, kept serving: slime's ``--use-fault-tolerance``, on by default.
 
-A monitor thread in the rollout manager probes every engine with ``GET /health_generate`` (a one-token
+A monitor thread per engine in the rollout manager probes it with ``GET /health_generate`` (a one-token
 generation, so a hung scheduler fails it as surely as a dead process) under a deadline of
-``--rollout-health-check-timeout`` seconds, every ``--rollout-health-check-interval`` seconds. An engine
-that fails the probe is
+``--rollout-health-check-timeout`` seconds, every ``--rollout-health-check-interval`` seconds; the engines
+are probed side by side, so a hung engine is found within interval + deadline and never delays the check
+or the restart of another. An engine that fails the probe is
 
 1. removed from the router, so no new request goes to it;
 2. killed: its open connections close, so the requests it held fail at once and are retried on the other
    engines (by the router, else by the rollout client); what finished before is untouched;
 3. started again on its own placement bundle and given the current weights and weight version;
 4. added back to the router.
+
+Step 3 depends on the transport. Weights the fleet was given (``disk``, ``object-store``) are loaded into
+the new engine at once. Weights train rank 0 pushes itself (``tensor``, ``distributed``) reach it with the
+next push: until then it stays out of the router, and after a push it goes back in only when it reports
+the version just pushed (``weight_version`` in SGLang's ``GET /model_info``), so an engine restarted while
+a push was under way, which the push missed, waits for the one after. An engine in the router that a
+push missed (it could not be reached, and came back) goes out the same way. When no engine in the
+router serves the pushed weights (every engine failed, or there is one engine), no push would come while
+the rollout waits for engines: the trainers push the weights again to the engines that wait
+(:class:`TrainerPush`, handed over at each sync), which then go back in. In the fully-async loop the
+trainers may have trained one more step by then, so such an engine can serve weights one update newer
+than its label, within the one-step staleness that loop allows. With several sharded train ranks the
+push again is a collective that the manager sends to every rank, while the driver may be sending them
+a step: their order is Ray's per caller, so one rank could see the two in the other order and the ranks
+would wait for each other until ``--train-timeout``.
 
 The router process is watched too (its exit is seen within half a second) and started again on the same
 port with the engines of the moment, so the client's URL stays valid while its requests are retried.
@@ -29,9 +45,9 @@ import logging
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
-from slimecore.engines.router import Router, http_request
+from slimecore.engines.router import Router, http_json, http_request
 
 log = logging.getLogger("slimecore.engines")
 
@@ -77,6 +93,8 @@ class EngineFleet:
         self._weights: tuple[Any, str] | None = None
         self._pushed_version: str | None = None  # the last version train rank 0 pushed (tensor / distributed)
         self._awaiting_push: set[int] = set()  # engines restarted since that push, kept out of the router
+        # push_source(urls, version): the trainers push the weights of ``version`` again to those engines
+        self.push_source: Callable[[list[str], str], None] | None = None
         # current weights and engine slots change together; re-entrant, as a replacement that finds the router
         # dead restarts it (and counts that) while holding it
         self._lock = threading.RLock()
@@ -140,15 +158,38 @@ class EngineFleet:
                                        f"v{version} within {timeout:.0f}s; raise --ray-timeout if loading is slow")
             pool.shutdown(wait=False, cancel_futures=True)  # a hung engine's call ends when it is killed
 
-    def admit_pushed(self, version: str) -> None:
-        """After train rank 0 pushed ``version`` to every engine: engines restarted since then have the current
-        weights now and go back into the router."""
+    def admit_pushed(self, version: str, push_again: bool = True) -> None:
+        """After train rank 0 pushed ``version``: an engine restarted since the last push goes back into the
+        router if it serves ``version`` now, and an engine in the router that does not (the push missed it)
+        goes out until a push reaches it; when that leaves no engine in the router, the trainers push again
+        (``push_source``). An engine that does not answer is the monitor's."""
         with self._lock:
             self._pushed_version = version
-            for i in sorted(self._awaiting_push):
-                self._add_to_router(self.engines[i][1])
-                log.warning("engine %d is back in the router, serving the pushed weights v%s", i, version)
-            self._awaiting_push.clear()
+            engines = list(enumerate(self.engines))
+            with ThreadPoolExecutor(max_workers=len(engines), thread_name_prefix="slimecore-version") as pool:
+                served = list(pool.map(lambda engine: self.served_version(engine[1][1]), engines))
+            for (i, (_, url)), serves in zip(engines, served):
+                if serves == version and i in self._awaiting_push:
+                    self._awaiting_push.discard(i)
+                    self._add_to_router(url)
+                    log.warning("engine %d is back in the router, serving the pushed weights v%s", i, version)
+                elif serves is not None and serves != version and i not in self._awaiting_push:
+                    self._awaiting_push.add(i)
+                    self._remove_from_router(url)
+                    log.warning("engine %d serves weights v%s after the push of v%s; out of the router until a "
+                                "push reaches it", i, serves, version)
+            if push_again and len(self._awaiting_push) == self.n:
+                self._push_again()
+
+    def served_version(self, url: str) -> str | None:
+        """The ``weight_version`` the engine at ``url`` serves (in SGLang's ``GET /model_info``; its older
+        ``/get_weight_version`` is gone), None when it does not answer within the health-check deadline."""
+        try:
+            status, body = http_json("GET", url + "/model_info", timeout=self.check_timeout,
+                                     api_key=self.router.api_key)
+        except OSError:
+            return None
+        return str(body["weight_version"]) if status == 200 and isinstance(body, dict) else None
 
     # -- the monitor ---------------------------------------------------------------------------
     def healthy(self, url: str) -> bool:
@@ -166,12 +207,20 @@ class EngineFleet:
             self.error = exc
 
     def _watch_engines(self) -> None:
+        """One watcher per engine: a probe that waits out its deadline on a hung engine delays no other."""
+        watchers = [threading.Thread(target=self._guarded, args=(lambda i=i: self._watch_engine(i),),
+                                     name=f"slimecore-engine-monitor-{i}", daemon=True) for i in range(self.n)]
+        for watcher in watchers:
+            watcher.start()
+        for watcher in watchers:
+            watcher.join()
+
+    def _watch_engine(self, i: int) -> None:
         if self._stop.wait(self.first_wait):
             return
         while not self._stop.is_set():
-            for i in range(self.n):
-                if not self._stop.is_set() and not self.healthy(self.engines[i][1]):
-                    self._replace(i)
+            if not self.healthy(self.engines[i][1]) and not self._stop.is_set():
+                self._replace(i)
             self._stop.wait(self.check_interval)
 
     def _watch_router(self) -> None:
@@ -222,18 +271,36 @@ class EngineFleet:
         started = time.perf_counter()
         (new, new_url), = self.lifecycle.start([i])
         with self._lock:
-            if self._weights is not None:
-                self.lifecycle.load_weights(new, new_url, *self._weights)
-            serving = [u for j, (_, u) in enumerate(self.engines) if j != i and j not in self._awaiting_push]
-            if self._weights is None and self._pushed_version is not None and serving:
-                # weights reach engines by train rank 0's push (tensor / distributed): keep the new engine out
-                # of the router until the next push gives it the current weights (admit_pushed)
-                self._awaiting_push.add(i)
-            else:
-                self._add_to_router(new_url)
             self.engines[i] = (new, new_url)
+            if self._weights is None and self._pushed_version is not None:
+                # weights reach engines by train rank 0's push (tensor / distributed): out of the router until a
+                # push gives it the current weights (admit_pushed puts it back), at once when no engine serves them
+                self._awaiting_push.add(i)
+                if len(self._awaiting_push) == self.n:
+                    self._push_again()
+            else:  # the weights the fleet was given, or before the first sync the checkpoint's, as every engine
+                if self._weights is not None:
+                    self.lifecycle.load_weights(new, new_url, *self._weights)
+                self._add_to_router(new_url)
         log.warning("engine %d is back at %s after %.1fs%s", i, new_url, time.perf_counter() - started,
                     f", serving weights v{self._weights[1]}" if self._weights else "")
+
+    def _push_again(self) -> None:
+        """No engine in the router serves the pushed weights, so no push would come (the rollout waits for the
+        engines): have the trainers push them again to the engines that wait (``push_source``)."""
+        urls = [self.engines[j][1] for j in sorted(self._awaiting_push)]
+        if self.push_source is None:
+            log.warning("engines %s come back with the checkpoint's weights: none serves the pushed weights v%s "
+                        "and no trainer can push them again; their samples carry their own weight_version until "
+                        "the next push", urls, self._pushed_version)
+            for url in urls:
+                self._add_to_router(url)
+            self._awaiting_push.clear()
+            return
+        log.warning("no engine in the router serves the pushed weights v%s: the trainers push them again to %s",
+                    self._pushed_version, urls)
+        self.push_source(urls, self._pushed_version)
+        self.admit_pushed(self._pushed_version, push_again=False)  # one that still does not serve it waits
 
     def stop(self) -> None:
         self._stop.set()
@@ -250,3 +317,18 @@ def _engine_gone(exc: BaseException) -> bool:
     from ray.exceptions import RayActorError
 
     return isinstance(exc, (RayActorError, OSError))
+
+
+class TrainerPush:
+    """The trainers pushing the weights they hold to some engines again (``EngineFleet.push_source``): every
+    train rank takes part, as at a sync (gathering sharded weights is collective); rank 0 sends."""
+
+    def __init__(self, actors: list, transport: str, endpoint: Callable[[str], Any], timeout: float):
+        self.actors, self.transport, self.endpoint, self.timeout = actors, transport, endpoint, timeout
+
+    def __call__(self, urls: list[str], version: str) -> None:
+        from slimecore.raytools import ray_get
+
+        endpoints = [self.endpoint(url) for url in urls]
+        ray_get([actor.push_weights.remote(endpoints, version, self.transport) for actor in self.actors],
+                f"the trainers to push weights v{version} again to {urls}", self.timeout)

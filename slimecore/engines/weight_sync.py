@@ -190,10 +190,11 @@ def broadcast(group, tensor: torch.Tensor) -> None:
 
 
 # -- request bodies (SGLang's field names) -----------------------------------------------------------
-def tensor_body(payload: str, tp_size: int, weight_version: str) -> dict:
-    """``UpdateWeightsFromTensorReqInput``: the same payload for every TP rank of the engine (each rank
-    loads the full tensors and keeps its shard), flattened-bucket format, cache flushed by the caller."""
-    return {"serialized_named_tensors": [payload] * tp_size, "load_format": "flattened_bucket",
+def tensor_body(payloads: list[str], weight_version: str) -> dict:
+    """``UpdateWeightsFromTensorReqInput``: one payload per TP rank of the engine (each rank loads the full
+    tensors and keeps its shard; each payload is a serialisation of its own, as each rank opens it once),
+    flattened-bucket format, cache flushed by the caller."""
+    return {"serialized_named_tensors": list(payloads), "load_format": "flattened_bucket",
             "flush_cache": False, "weight_version": weight_version}
 
 

@@ -60,10 +60,10 @@ def _reward(url: str, text: str):
     try:
         reward = json.loads(text)
     except ValueError:
-        raise RemoteRewardError(f"remote_rm: {url} answered 200 with a body that is not JSON: {text[:200]!r}; "
+        raise RemoteRewardError(f"remote_rm: POST {url} answered 200 with a body that is not JSON: {text[:200]!r}; "
                                 "it must answer a JSON number or object") from None
     if isinstance(reward, bool) or not isinstance(reward, (int, float, dict)):
-        raise RemoteRewardError(f"remote_rm: {url} answered {text[:200]}; the reward must be a JSON number or "
+        raise RemoteRewardError(f"remote_rm: POST {url} answered {text[:200]}; the reward must be a JSON number or "
                                 "object (a dict reward, picked with --reward-key)")
     return reward
 

@@ -94,9 +94,16 @@ class RolloutManager:
         running ``generate`` waits for it: the manager runs one call at a time)."""
         self.loop.run_until_complete(self.client.pause_for_update())
 
-    def resume_after_update(self, version: int) -> None:
+    def resume_after_update(self, version: int, trainers: list | None = None, transport: str | None = None) -> None:
+        """``trainers``: the train actors that pushed ``version`` over ``transport`` (they can push it again
+        to an engine restarted while no engine serves it, slimecore.engines.fleet)."""
         self.client.policy_version = version  # what the engines serve from now on (fully-async staleness)
         if self.fleet:
+            if trainers:
+                from slimecore.engines.fleet import TrainerPush
+
+                self.fleet.push_source = TrainerPush(trainers, transport, self.launcher.endpoint,
+                                                     self.config.ray_timeout)
             self.fleet.admit_pushed(str(version))
         self.loop.run_until_complete(self.client.continue_generation())
 
@@ -229,12 +236,11 @@ def engine_hosts(config: Config, placement_group) -> tuple[str, str, str | None]
     from slimecore.raytools import is_multi_node, spans_nodes
 
     if config.rollout_host:
-        engine_bind = router_bind = config.rollout_host
-    elif spans_nodes(placement_group) or is_multi_node():
-        engine_bind, router_bind = "node", ray.util.get_node_ip_address()
-    else:
-        return "127.0.0.1", "127.0.0.1", None
-    return engine_bind, router_bind, None if router_bind in ("127.0.0.1", "localhost") else secrets.token_urlsafe(32)
+        host = config.rollout_host
+        return host, host, None if host in ("127.0.0.1", "localhost") else secrets.token_urlsafe(32)
+    if spans_nodes(placement_group) or is_multi_node():  # keyed even where a node's address is a loopback one
+        return "node", ray.util.get_node_ip_address(), secrets.token_urlsafe(32)
+    return "127.0.0.1", "127.0.0.1", None
 
 
 def convert_samples(hooks, config: Config, samples: list[Sample]) -> RolloutColumns:

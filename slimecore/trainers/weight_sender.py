@@ -57,7 +57,6 @@ class WeightSender:
         self.master_address = master_address
         self._pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="weight-post")
         self._shared: torch.Tensor | None = None
-        self._shared_members: tuple[Endpoint, ...] = ()
         self._group = None
         self._group_name: str | None = None
         self._group_members: tuple[Endpoint, ...] = ()
@@ -93,10 +92,6 @@ class WeightSender:
         start, total, count = time.perf_counter(), 0, 0
         if transport == "distributed":
             self._connect(endpoints)
-        elif tuple(endpoints) != self._shared_members:
-            # a new engine (one restarted after a fault) cannot open the kept buffer: engines that opened it
-            # hold their mapping, but its file name is gone by then; a changed engine set gets a fresh one
-            self._shared, self._shared_members = None, tuple(endpoints)
         for bucket in buckets:
             if transport == "tensor":
                 total += self._send_tensor(bucket, endpoints, str(version))
@@ -110,21 +105,13 @@ class WeightSender:
     def _send_tensor(self, bucket: weight_sync.NamedTensors, endpoints: list[Endpoint], version: str) -> int:
         cpu = bucket[0][1].device.type == "cpu"
         flat, metadata = weight_sync.flatten(bucket, out=self._shared_buffer(bucket) if cpu else None)
-        payload = weight_sync.serialize({"flattened_tensor": flat, "metadata": metadata})
+        # one payload per engine TP rank: serialising takes one reference to the shared memory and the rank that
+        # opens it gives one back, so a payload shared by several ranks would give back more than it took and
+        # unlink the kept buffer's file (a later engine, one restarted after a fault, could not open it)
         futures = self._post_all(endpoints, "/update_weights_from_tensor",
-                                 [weight_sync.tensor_body(payload, e.tp_size, version) for e in endpoints])
-        missed = [e for e, f in zip(endpoints, futures) if cpu and "unable to open shared memory" in str(f.exception())]
-        if missed:
-            # an engine started after a fault could not open the shared file (already unlinked once the others
-            # mapped it): send those engines the bucket again in a shared buffer of their own
-            for endpoint in missed:
-                own, _ = weight_sync.flatten(bucket)
-                with weight_sync.file_system_sharing():
-                    own.share_memory_()
-                again = weight_sync.serialize({"flattened_tensor": own, "metadata": metadata})
-                self._post(endpoint, "/update_weights_from_tensor", weight_sync.tensor_body(again, endpoint.tp_size,
-                                                                                             version))
-            futures = [f for e, f in zip(endpoints, futures) if e not in missed]
+                                 [weight_sync.tensor_body([weight_sync.serialize({"flattened_tensor": flat,
+                                                                                  "metadata": metadata})
+                                                           for _ in range(e.tp_size)], version) for e in endpoints])
         self._wait(futures)
         if not cpu:  # a CUDA bucket is never reused (SGLang may still be copying from it), only freed
             del flat
