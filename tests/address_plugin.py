@@ -30,7 +30,7 @@ def _status_without_key(url: str) -> int:
 
 
 @hookimpl
-async def slime_generate(config, sample, sampling_params, client, evaluation, hooks):
+async def slime_generate(config, sample, sampling_params, client, evaluation, observation, agent):
     global _recorded
     if not _recorded:
         _recorded = True
@@ -41,4 +41,4 @@ async def slime_generate(config, sample, sampling_params, client, evaluation, ho
         with open(config.plugin("address_plugin").address_log, "w") as f:
             json.dump(record, f)
     return await builtin.slime_generate(config=config, sample=sample, sampling_params=sampling_params, client=client,
-                                          hooks=hooks)
+                                        observation=observation, agent=agent)
