@@ -78,7 +78,7 @@ def model_dir(name: str, workdir: Path) -> Path:
         from slimecore.testing.tiny import make_tiny_checkpoint
 
         return make_tiny_checkpoint(workdir / "tiny")
-    from slimecore.models import resolve_checkpoint
+    from slimecore.hf_checkpoint import resolve_checkpoint
 
     return resolve_checkpoint(None)
 

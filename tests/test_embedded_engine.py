@@ -234,6 +234,32 @@ def test_greedy_batch_equals_model_generate(embedded_engine):
     assert [r.output_ids for r in reqs] == expected
 
 
+def test_shared_prompt_prefix_is_prefilled_once_and_changes_no_value(embedded_engine, monkeypatch):
+    """Prompts with a common prefix (a chat template, the n samples of one prompt) prefill it once; rows
+    that leave early and rows that join later keep the values of unpadded forwards (the KV buffers grow
+    in place and are re-adopted after rows are dropped or padded)."""
+    server = embedded_engine
+    shared_calls = []
+    prefill_shared = server._prefill_shared
+    monkeypatch.setattr(server, "_prefill_shared", lambda reqs, n: shared_calls.append(n) or prefill_shared(reqs, n))
+    prefix = list(range(20, 32))
+    prompts = [prefix + [5, 6, 7], prefix + [9], prefix + [10, 11, 12, 13], prefix]
+    reqs = [server.submit(server.new_request({"input_ids": p, "return_logprob": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 4 + 5 * i, "ignore_eos": True}})) for i, p in enumerate(prompts)]
+    wait_for(lambda: shared_calls)
+    late = [server.submit(server.new_request({"input_ids": prefix + s, "return_logprob": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 70, "ignore_eos": True}})) for s in ([40], [41, 42])]  # past a chunk
+    for req in reqs + late:
+        assert req.done.wait(scaled(60))
+    assert shared_calls[0] == len(prefix) - 1  # the shortest prompt keeps one token of its own
+    for req in reqs + late:
+        assert req.finish_reason["type"] == "length" and len(req.output_ids) == req.params["max_new_tokens"]
+        out = {"output_ids": req.output_ids,
+               "meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)],
+                             "output_token_logprobs_length": len(req.output_ids)}}
+        assert_logprobs_match(server, req.input_ids, out)
+
+
 def test_late_request_joins_the_running_batch(embedded_engine):
     server = embedded_engine
     waves, joined = server.stats["waves"], server.stats["joined"]

@@ -12,10 +12,12 @@ request state they drive.
 
 Batching (continuous, on one scheduler thread): the scheduler collects the waiting requests (up to
 ``max_batch_size``), prefills them together (left padding, attention mask, position ids from the
-mask) and decodes step by step with the HF KV cache. A finished row leaves the batch at once (its KV
-rows are dropped); requests that arrive meanwhile are prefilled on their own and join the running
-batch, their cache left-padded to the same length. Joining stops while a weight update waits, so
-updates are never starved.
+mask) and decodes step by step with the HF KV cache. Prompts that start with the same tokens (the n
+samples of one prompt, a shared chat template) prefill that prefix once, as SGLang's prefix cache does,
+and the cache layers write each step into a buffer grown by chunks, not a new concatenated copy. A
+finished row leaves the batch at once (its KV rows are dropped); requests that arrive meanwhile are
+prefilled on their own and join the running batch, their cache left-padded to the same length.
+Joining stops while a weight update waits, so updates are never starved.
 
 Log-probs: for each sampled token, ``log_softmax(logits / T)`` over the full vocabulary (T = 1 for
 greedy), without top-p/top-k/min-p renormalisation, exactly as SGLang returns them. Padding is masked
@@ -164,6 +166,35 @@ class _PauseGate(threading.Event):
         self._on_change()
 
 
+def _growing_layer_class():
+    """HF's ``DynamicLayer`` whose ``update`` writes into a preallocated buffer (grown by chunks) instead
+    of concatenating a new cache every step: the keys and values it hands attention are views of it.
+    Made lazily, as transformers is imported only with the model."""
+    from transformers.cache_utils import DynamicLayer
+
+    class GrowingLayer(DynamicLayer):
+        chunk = 64  # columns added when the buffer is full
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized or self.keys.numel() == 0:
+                return super().update(key_states, value_states, *args, **kwargs)
+            length, new = self.keys.shape[-2], key_states.shape[-2]
+            # keys reassigned from outside (rows selected or joined, cache cropped): adopt them into a new buffer
+            if getattr(self, "_view", None) is not self.keys or length + new > self._kbuf.shape[-2]:
+                size = length + new + self.chunk
+                kbuf = self.keys.new_empty((*self.keys.shape[:-2], size, self.keys.shape[-1]))
+                vbuf = self.values.new_empty((*self.values.shape[:-2], size, self.values.shape[-1]))
+                kbuf[..., :length, :], vbuf[..., :length, :] = self.keys, self.values
+                self._kbuf, self._vbuf = kbuf, vbuf
+            self._kbuf[..., length:length + new, :] = key_states
+            self._vbuf[..., length:length + new, :] = value_states
+            self.keys, self.values = self._kbuf[..., :length + new, :], self._vbuf[..., :length + new, :]
+            self._view = self.keys
+            return self.keys, self.values
+
+    return GrowingLayer
+
+
 @dataclass
 class _Batch:
     """The decode state of the rows being generated: attention mask (B, L), last positions (B, 1), the
@@ -299,6 +330,7 @@ class EmbeddedServer:
             sources.append(GenerationConfig.from_pretrained(self.model_path).eos_token_id)
         self.eos_ids = frozenset(t for s in sources for t in (s if isinstance(s, list) else [s]) if t is not None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self._growing_layer = _growing_layer_class()
 
     # -- weights -----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -567,6 +599,7 @@ class EmbeddedServer:
         return taken
 
     def _scheduler(self) -> None:
+        torch.set_num_threads(self.num_threads)  # the intra-op threads this thread's forwards use, whatever ran before
         while not self._stop.is_set():
             with self._cond:
                 if not self._cond.wait_for(lambda: self._stop.is_set() or (self._queue and self.unpaused.is_set()),
@@ -637,7 +670,22 @@ class EmbeddedServer:
         self.stats["joined"] += len(joined)
         return joined
 
+    min_shared_prefix = 8  # tokens: a shorter common prefix is prefilled with the rest
+
+    def _shared_prefix(self, reqs: list[Request]) -> int:
+        """Length of the token prefix every prompt of ``reqs`` starts with, leaving each at least one own
+        token (the next-token logits come from the suffix pass); 0 when it is not worth sharing."""
+        if len(reqs) < 2 or any(r.logprob_start_len >= 0 for r in reqs):
+            return 0
+        first, n = reqs[0].input_ids, min(len(r.input_ids) for r in reqs) - 1
+        for r in reqs[1:]:
+            n = next((i for i in range(n) if r.input_ids[i] != first[i]), n)
+        return n if n >= self.min_shared_prefix else 0
+
     def _prefill(self, reqs: list[Request]) -> _Batch:
+        shared = self._shared_prefix(reqs)
+        if shared:
+            return self._prefill_shared(reqs, shared)
         width = max(len(r.input_ids) for r in reqs)
         ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
         mask = torch.zeros((len(reqs), width), dtype=torch.long)
@@ -653,7 +701,39 @@ class EmbeddedServer:
             for i, r in enumerate(reqs):
                 if r.logprob_start_len >= 0:
                     self._prompt_logprobs(r, out.logits[i, width - len(r.input_ids):].float())
-        return _Batch(mask, positions[:, -1:], getattr(out, self.cache_name), out.logits[:, -1, :].float())
+        return _Batch(mask, positions[:, -1:], self._growing(getattr(out, self.cache_name)),
+                      out.logits[:, -1, :].float())
+
+    def _prefill_shared(self, reqs: list[Request], shared: int) -> _Batch:
+        """Prefill the common prompt prefix once (one row), then every row's own suffix on top of the
+        prefix's KV repeated per row, as SGLang's prefix cache does for the n samples of one prompt. Row
+        layout: prefix, padding, suffix (the mask hides the padding; positions continue the prefix)."""
+        out = self.model(input_ids=torch.tensor([reqs[0].input_ids[:shared]]), use_cache=True, logits_to_keep=1)
+        cache = getattr(out, self.cache_name)
+        for layer in cache.layers:
+            layer.keys = layer.keys.expand(len(reqs), -1, -1, -1).contiguous()
+            layer.values = layer.values.expand(len(reqs), -1, -1, -1).contiguous()
+        width = max(len(r.input_ids) for r in reqs) - shared
+        ids = torch.full((len(reqs), width), self.pad_id, dtype=torch.long)
+        own = torch.zeros((len(reqs), width), dtype=torch.long)
+        for i, r in enumerate(reqs):
+            ids[i, width - len(r.input_ids) + shared:] = torch.tensor(r.input_ids[shared:])
+            own[i, width - len(r.input_ids) + shared:] = 1
+        mask = torch.cat([torch.ones((len(reqs), shared), dtype=torch.long), own], dim=1)
+        positions = (shared + own.cumsum(-1) - 1).clamp(min=shared)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **{self.cache_name: cache})
+        return _Batch(mask, positions[:, -1:], self._growing(getattr(out, self.cache_name)),
+                      out.logits[:, -1, :].float())
+
+    def _growing(self, cache):
+        """The prefill's cache with its plain dynamic layers turned into growing ones (no copy per step)."""
+        from transformers.cache_utils import DynamicLayer
+
+        for layer in cache.layers:
+            if type(layer) is DynamicLayer:
+                layer.__class__ = self._growing_layer
+        return cache
 
     def _prompt_logprobs(self, req: Request, logits: torch.Tensor) -> None:
         """``input_token_logprobs`` from prompt position ``logprob_start_len``: the first entry is null,
