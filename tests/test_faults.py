@@ -165,7 +165,8 @@ IN_RUN = {
     "plugin fails to import in a Ray worker": (
         _import_fails_in_workers,
         ["driver_only.py' (file", "failed to import: ImportError: No module named 'gpu_only_dep'",
-         "Fix the error in the plugin", "process RolloutManager.__init__"]),
+         # the rollout manager and the train ranks start side by side: whichever imports the plugin first reports
+         "Fix the error in the plugin", ("process RolloutManager.__init__", "process TrainActor.__init__")]),
     "placement the cluster cannot hold": (
         lambda t: ["--num-cpus-per-actor", "64"],
         ["the cluster cannot hold this run", "CPU (the cluster has", "Lower --num-cpus-per-actor"]),
@@ -178,8 +179,8 @@ def test_a_fault_inside_the_run_stops_it_with_the_original_message(case, tiny_ch
     proc, seconds, stderr = _train(_args(tiny_checkpoint, tmp_path, *make_args(tmp_path)), timeout(120))
     assert proc.returncode in (1, 2), proc.stderr[-4000:]
     last = " ".join(proc.stderr[proc.stderr.rindex("\nerror:"):].split())  # the one message, printed at the end
-    for text in expected:
-        assert text in last, (text, proc.stderr[-4000:])
+    for text in expected:  # a tuple: any one of them
+        assert any(t in last for t in (text if isinstance(text, tuple) else (text,))), (text, proc.stderr[-4000:])
     assert "UnserializableException" not in stderr
     assert seconds < timeout(120), f"{case}: failed after {seconds:.1f}s"
 
