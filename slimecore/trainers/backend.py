@@ -131,15 +131,14 @@ def add_up(per_rank: Iterable[dict[str, float]]) -> dict[str, float]:
     return {k: sum(d.get(k, 0.0) for d in per_rank) for k in sorted({k for d in per_rank for k in d})}
 
 
-def lr_lambda(config, warmup: int | None = None, lr: float | None = None):
+def lr_lambda(config):
     """LR multiplier for optimizer step ``it`` (0-based): linear warm-up, then constant / linear / cosine decay
     to ``--min-lr`` at ``--train-iters`` (constant after warm-up when ``train_iters`` is None).
 
     Matches Megatron's schedule except that warm-up step ``it`` uses ``(it + 1) / warmup`` rather than
     ``it / warmup``, so the first update is not made with a learning rate of 0.
     """
-    warmup = (config.lr_warmup_iters if warmup is None else warmup) or 0
-    total, lr = config.train_iters, config.lr if lr is None else lr
+    warmup, total, lr = config.lr_warmup_iters or 0, config.train_iters, config.lr
     floor = config.min_lr / lr if lr else 0.0
 
     def factor(it: int) -> float:
