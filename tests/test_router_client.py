@@ -139,3 +139,20 @@ def test_abort_skips_an_engine_that_is_gone(engines):
 
     busy, seconds = asyncio.run(main())
     assert busy == [0, 0] and seconds < 5
+
+
+def test_an_api_key_that_starts_with_a_dash_reaches_router_and_engine(tiny_checkpoint, tmp_path):
+    """A per-run key is random (``secrets.token_urlsafe``), so one run in 64 gets a key that starts with
+    ``-``: the router's argparse must still take it as the value of ``--api-key``, and requests need it."""
+    from slimecore.testing.engines import embedded_engine
+
+    key = "-" + "k" * 31
+    with embedded_engine(tiny_checkpoint, max_batch_size=2, api_key=key) as server:
+        router = Router([server.url], api_key=key, log_dir=str(tmp_path)).start()
+        try:
+            assert http_json("POST", router.url + "/generate", {"input_ids": [5], "sampling_params": {}})[0] == 401
+            client = RolloutClient(router.url, api_key=key)
+            out = client.run_sync(client.generate([5, 6], {"max_new_tokens": 2, "ignore_eos": True}))
+            assert len(out["meta_info"]["output_token_logprobs"]) == 2
+        finally:
+            router.stop()

@@ -92,13 +92,14 @@ def test_server_args_are_slimes_then_the_users(tiny_checkpoint, tmp_path):
     config = parse_config(BASE + ["--hf-checkpoint", str(tiny_checkpoint), "--sglang-mem-fraction-static", "0.8",
                                   "--sglang-enable-metrics", "--sglang-config", str(yaml_file),
                                   "--rollout-num-gpus-per-engine", "2", "--colocate", "--seed", "7"], [], {})
-    args = sglang_engine.server_args(config, 1, base_gpu_id=2, host="10.0.0.5", port=30001, api_key="k")
+    args = sglang_engine.server_args(config, 1, base_gpu_id=2, host="10.0.0.5", port=30001, api_key="-k")
     assert args == {"model_path": str(tiny_checkpoint), "tp_size": 2, "base_gpu_id": 2, "host": "10.0.0.5",
                     "port": 30001, "random_seed": 8, "skip_server_warmup": True, "enable_memory_saver": True,
-                    "api_key": "k", "mem_fraction_static": 0.6, "enable_metrics": True, "chunked_prefill_size": 4096}
+                    "api_key": "-k", "mem_fraction_static": 0.6, "enable_metrics": True, "chunked_prefill_size": 4096}
     line = sglang_engine.command_line(config, args)
     assert line[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert line[line.index("--tp-size") + 1] == "2" and "--enable-metrics" in line and "--enable-memory-saver" in line
+    assert "--api-key=-k" in line  # a random key may start with "-": joined, argparse takes it as the value
 
 
 @needs_sglang

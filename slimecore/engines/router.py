@@ -69,6 +69,11 @@ def _die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def option(flag: str, value: str) -> list[str]:
+    """``[flag, value]``, or ``[flag=value]`` when ``value`` starts with ``-`` (argparse would read it as a flag)."""
+    return [f"{flag}={value}"] if value.startswith("-") else [flag, value]
+
+
 def spawn_logged(args: list[str], log_path: Path, env: dict | None = None) -> tuple[subprocess.Popen, object]:
     """Start a server in its own process group (so stopping it stops its children), stdout and stderr
     appended to ``log_path``; it gets SIGTERM if this process dies. Returns (process, open log file)."""
@@ -129,7 +134,7 @@ class Router:
         if self.worker_urls:
             args += ["--worker-urls", *self.worker_urls]
         if self.api_key:
-            args += ["--api-key", self.api_key]
+            args += option("--api-key", self.api_key)  # a random key may start with "-"
         self.process, self._log = spawn_logged(args, self.log_path)
         try:
             self.wait_ready(len(self.worker_urls))

@@ -29,6 +29,7 @@ import time
 from pathlib import Path
 
 from slimecore.config import Config
+from slimecore.engines.router import option
 from slimecore.engines.sglang_schema import overrides
 
 def server_args(config: Config, index: int, base_gpu_id: int, host: str, port: int,
@@ -47,7 +48,8 @@ def server_args(config: Config, index: int, base_gpu_id: int, host: str, port: i
 
 def command_line(config: Config, args: dict) -> list[str]:
     """``--sglang-launch-command`` followed by ``args`` as SGLang's CLI flags (a true bool is a bare flag,
-    false/None are left out, a list gives several values, a mapping is JSON)."""
+    false/None are left out, a list gives several values, a mapping is JSON). A value that starts with ``-``
+    (a negative number, an API key) is joined to its flag, ``--flag=value``, so argparse takes it as the value."""
     command = shlex.split(config.sglang_launch_command)
     if command and command[0] == "python":
         command[0] = sys.executable
@@ -62,8 +64,9 @@ def command_line(config: Config, args: dict) -> list[str]:
         elif isinstance(value, dict):
             command += [flag, json.dumps(value)]
         else:
-            command += [flag, str(value)]
+            command += option(flag, str(value))
     return command
+
 
 
 class SGLangEngineActor:
