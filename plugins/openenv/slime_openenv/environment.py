@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import importlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -24,11 +25,17 @@ from typing import Any
 
 import httpx
 
+log = logging.getLogger("slime_openenv")
+
 RESERVED_OBSERVATION_FIELDS = ("done", "reward", "metadata")
 
 
 class OpenEnvSetupError(ValueError):
     """The environment cannot be used as configured; the message says which flag and what to do."""
+
+
+class OpenEnvEpisodeError(RuntimeError):
+    """The environment or its server failed during an episode."""
 
 
 class OpenEnvServerError(RuntimeError):
@@ -124,8 +131,8 @@ def render_observation(observation: dict, observation_field: str | None) -> str:
 
 
 class ServerProcess:
-    """``uvicorn APP`` on a free port of 127.0.0.1, in its own process group; its output goes to a log file
-    whose tail every error quotes."""
+    """``APP`` served by uvicorn on a free port of 127.0.0.1 (``slime_openenv.serve``), in its own process group;
+    its output goes to a log file whose tail every error quotes."""
 
     def __init__(self, app: str, start_timeout: float = 120.0):
         self.app, self.start_timeout = app, start_timeout
@@ -139,8 +146,7 @@ class ServerProcess:
         port = free_port()
         self.url = f"http://127.0.0.1:{port}"
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "uvicorn", self.app, "--host", "127.0.0.1", "--port", str(port),
-             "--log-level", "warning"],
+            [sys.executable, "-m", "slime_openenv.serve", self.app, "127.0.0.1", str(port)],
             stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + self.start_timeout
         while time.monotonic() < deadline:
@@ -191,12 +197,20 @@ class OpenEnvEnvironment:
         return self.spec.url or self.spec.app
 
     def url(self) -> str:
-        if self.spec.url is not None:
-            return self.spec.url
+        return self._server().url if self.spec.url is None else self.spec.url
+
+    def _server(self) -> ServerProcess:
+        """The server process, started on first use and started again when it died (the episodes it was running
+        have failed with its exit code; later ones get a fresh server)."""
         with self._lock:
+            if self.server is not None and self.server.process.poll() is not None:
+                log.warning("OpenEnv server %s exited with code %s; starting it again", self.spec.app,
+                            self.server.process.returncode)
+                self.server.stop()
+                self.server = None
             if self.server is None:
                 self.server = ServerProcess(self.spec.app, self.start_timeout).start()
-            return self.server.url
+            return self.server
 
     def stop(self) -> None:
         with self._lock:
@@ -204,15 +218,16 @@ class OpenEnvEnvironment:
                 self.server.stop()
                 self.server = None
 
-    def explain(self, exc: BaseException) -> str:
-        """``exc``'s message, with the server's exit code and log when the process this plugin started died."""
-        if self.server is not None:
+    @staticmethod
+    def explain(exc: BaseException, server: ServerProcess | None) -> str:
+        """``exc``'s message, or the exit code and log of ``server`` (the episode's) when it died."""
+        if server is not None:
             try:  # a dropped connection is often the process dying: give it a moment to be reaped
-                self.server.process.wait(2.0)
+                server.process.wait(2.0)
             except subprocess.TimeoutExpired:
                 pass
             try:
-                self.server.check_alive()
+                server.check_alive()
             except OpenEnvServerError as dead:
                 return str(dead)
         return f"{type(exc).__name__}: {exc}"
@@ -222,9 +237,18 @@ class OpenEnvEnvironment:
         ``max_turns`` replies were made."""
         from openenv.core.generic_client import GenericEnvClient
 
-        url = await asyncio.to_thread(self.url)
+        server = None if self.spec.url is not None else await asyncio.to_thread(self._server)
         model = session.openai_client()
-        async with GenericEnvClient(base_url=url, message_timeout_s=self.start_timeout) as env:
+        try:
+            return await self._episode(GenericEnvClient(base_url=server.url if server else self.spec.url,
+                                                        message_timeout_s=self.start_timeout),
+                                       model, session, seed, sampling, max_turns, system_prompt)
+        except Exception as exc:
+            raise OpenEnvEpisodeError(f"OpenEnv episode (seed {seed}) on {self.name} failed: "
+                                      f"{self.explain(exc, server)}") from exc
+
+    async def _episode(self, client, model, session, seed, sampling, max_turns, system_prompt) -> "Episode":
+        async with client as env:
             result = await env.reset(seed=seed, **self.spec.reset_args)
             opening = render_observation(result.observation, self.observation_field)
             messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \

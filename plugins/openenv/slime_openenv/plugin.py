@@ -38,10 +38,6 @@ METADATA_KEY = "openenv"  # sample.metadata[METADATA_KEY] = {"seed", then the ep
 _ENVIRONMENTS: dict[str, OpenEnvEnvironment] = {}  # by the spec's JSON
 
 
-class OpenEnvEpisodeError(RuntimeError):
-    """The environment or its server failed during an episode."""
-
-
 @hookimpl
 def slime_options():
     return [
@@ -129,11 +125,7 @@ async def slime_agent(config, sample, session):
     env = environment(config)
     meta = sample.metadata[METADATA_KEY]
     sampling = {"max_tokens": config.rollout_max_response_len, "temperature": config.rollout_temperature}
-    try:
-        episode = await env.play(session, meta["seed"], sampling, opts.openenv_max_turns, opts.openenv_system_prompt)
-    except Exception as exc:
-        raise OpenEnvEpisodeError(f"OpenEnv episode (seed {meta['seed']}) on {env.name} failed: "
-                                  f"{env.explain(exc)}") from exc
+    episode = await env.play(session, meta["seed"], sampling, opts.openenv_max_turns, opts.openenv_system_prompt)
     sample.prompt = episode.opening
     reward = episode.reward(opts.openenv_reward)
     meta.update(rewards=episode.rewards, steps=len(episode.rewards), done=episode.done, reward=reward,

@@ -62,19 +62,24 @@ def test_an_episode_is_played_by_the_server_and_scored_by_its_rewards(agent_sess
     assert "guesses left" in feedback or "not a number" in feedback
 
 
-@pytest.mark.parametrize("app, cause", [
-    ("openenv_broken_env:crashing_app", "the board is on fire"),
-    ("openenv_broken_env:exiting_app", "exited with code 3"),
+@pytest.mark.parametrize("app, cause, restarted", [
+    ("openenv_broken_env:crashing_app", "the board is on fire", False),
+    ("openenv_broken_env:exiting_app", "exited with code 3", True),
 ])
 def test_a_failing_environment_fails_the_sample_naming_the_plugin(agent_sessions, tiny_hf_checkpoint, app, cause,
-                                                                  monkeypatch):
+                                                                  restarted, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))
     hooks, config = _config("--hf-checkpoint", str(tiny_hf_checkpoint), "--openenv-app", app)
+    env = plugin.environment(config)
+    pids = []
     try:
-        with pytest.raises(HookCallError) as raised:
-            _play(agent_sessions, config, hooks)
+        for _ in range(2):  # a server that died is started again for the next episode
+            with pytest.raises(HookCallError) as raised:
+                _play(agent_sessions, config, hooks)
+            pids.append(env.server.process.pid)
+            message = str(raised.value)
+            assert message.startswith("plugin 'openenv' raised in slime_agent: OpenEnvEpisodeError")
+            assert app in message and cause in message
     finally:
         plugin.slime_shutdown(config=config, process="rollout")
-    message = str(raised.value)
-    assert message.startswith("plugin 'openenv' raised in slime_agent: OpenEnvEpisodeError")
-    assert app in message and cause in message
+    assert (pids[0] != pids[1]) == restarted

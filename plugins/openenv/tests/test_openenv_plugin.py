@@ -95,3 +95,33 @@ def test_a_running_server_is_used_by_url_and_its_process_stopped():
         server.stop()
     with pytest.raises(httpx.HTTPError):
         httpx.get(server.url + "/health", timeout=2.0)
+
+
+def test_the_server_stops_itself_when_the_process_that_started_it_is_killed():
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from slimecore.testing import timeout
+
+    starter = subprocess.Popen(
+        [sys.executable, "-c", "import time; from slime_openenv.environment import ServerProcess; "
+         f"s = ServerProcess({plugin.EXAMPLE_APP!r}).start(); print(s.url, s.process.pid, flush=True); time.sleep(600)"],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        url, pid = starter.stdout.readline().split()
+        assert httpx.get(url + "/health", timeout=5.0).status_code == 200
+    finally:
+        starter.send_signal(signal.SIGKILL)  # as Ray kills a failed actor: no shutdown hook runs
+        starter.wait()
+    def running() -> bool:  # a zombie left for a non-reaping init counts as gone
+        try:
+            return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    deadline = time.monotonic() + timeout(15)
+    while time.monotonic() < deadline and running():
+        time.sleep(0.2)
+    assert not running(), "the orphaned OpenEnv server kept running"
