@@ -10,6 +10,7 @@ with its exact tokens.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import json
 import logging
@@ -138,6 +139,7 @@ class ServerProcess:
         self.app, self.start_timeout = app, start_timeout
         self.process: subprocess.Popen | None = None
         self.url = ""
+        self._exit_report: str | None = None
         self._log = tempfile.NamedTemporaryFile(prefix="slime-openenv-", suffix=".log", delete=False)
 
     def start(self) -> "ServerProcess":
@@ -163,9 +165,12 @@ class ServerProcess:
 
     def check_alive(self) -> None:
         code = self.process.poll() if self.process is not None else None
-        if code is not None:
-            raise OpenEnvServerError(f"OpenEnv server {self.app} ({self.url}) exited with code {code}; its log:\n"
-                                     f"{self.log_tail()}")
+        if code is None:
+            return
+        if self._exit_report is None:  # kept: the log file goes when the server is replaced
+            self._exit_report = f"OpenEnv server {self.app} ({self.url}) exited with code {code}; its log:\n" \
+                                f"{self.log_tail()}"
+        raise OpenEnvServerError(self._exit_report)
 
     def log_tail(self, lines: int = 20) -> str:
         with open(self._log.name, errors="replace") as f:
@@ -179,8 +184,12 @@ class ServerProcess:
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()
-        self._log.close()
-        os.unlink(self._log.name)
+        elif self.process is not None:
+            with contextlib.suppress(OpenEnvServerError):
+                self.check_alive()  # it died by itself: its report outlives the log
+        if not self._log.closed:
+            self._log.close()
+            os.unlink(self._log.name)
 
 
 class OpenEnvEnvironment:
