@@ -12,7 +12,9 @@ of process, straight to the engine's ``/generate`` (``input_ids``, ``return_logp
 Both go to one embedded engine in its own process, as engines run in a training run (Ray actors), with
 ``ignore_eos`` so every turn generates ``--max-tokens`` tokens in both modes. Reported per mode: wall time, generated tokens/s, mean and
 median latency per turn; then the session layer's added latency per turn and its tokens/s relative to raw
-(goal: within 10%). ``--model smollm2`` uses the converted SmolLM2-135M-Instruct (``slime-core train`` converts
+(goal: within 10%), and the session layer's own CPU time per turn (the process serving the sessions does
+nothing else meanwhile; unlike wall time, it hardly moves with the machine's load), of which building the prompt
+ids (replayed offline on one thread, and checked to be the ids sent). ``--model smollm2`` uses the converted SmolLM2-135M-Instruct (``slime-core train`` converts
 it on first use); ``tiny`` a random 4-layer, 256-wide Qwen2 built locally.
 """
 
@@ -33,6 +35,34 @@ from pathlib import Path
 import aiohttp
 
 
+SYSTEM = {"role": "system", "content": "You are a helpful assistant."}
+
+
+def user_message(episode: int, turn: int) -> dict:
+    return {"role": "user", "content": f"Episode {episode}, question {turn}: what is {turn} + {episode}?"}
+
+
+def prompt_cpu_ms_per_turn(template, states, repeats: int = 5) -> float:
+    """CPU time per turn of building the prompt ids and recording the turn (``Trajectory.prompt`` / ``record``:
+    rendering, tokenising, matching the history), replaying the recorded sessions' conversations offline on
+    one thread; each rebuilt prompt must equal the ids the session layer sent."""
+    from slimecore.agents.trajectory import Trajectory
+
+    start, turns = time.process_time(), 0
+    for _ in range(repeats):
+        for index, state in enumerate(states):
+            trajectory, messages = Trajectory(template), [SYSTEM]
+            for number, turn in enumerate(state.trajectory.turns):
+                messages.append(user_message(index, number))
+                prompt = trajectory.prompt(messages, None)
+                assert prompt.ids == turn.prompt_ids, "the replayed prompt must be the one the session sent"
+                answer = {"role": "assistant", "content": turn.text}
+                trajectory.record(prompt, turn.output_ids, turn.log_probs, turn.finish, answer, None, turn.text)
+                messages.append(answer)
+                turns += 1
+    return 1000 * (time.process_time() - start) / turns
+
+
 async def session_episodes(url: str, session_ids: list[str], turns: int, concurrency: int, max_tokens: int):
     """The agents' side: each session's episode as plain HTTP JSON requests to ``/v1/chat/completions``."""
     latencies, tokens = [], 0
@@ -40,10 +70,10 @@ async def session_episodes(url: str, session_ids: list[str], turns: int, concurr
 
     async def episode(http: aiohttp.ClientSession, index: int, sid: str):
         nonlocal tokens
-        messages = [{"role": "system", "content": "You are a helpful assistant."}]
+        messages = [SYSTEM]
         async with gate:
             for turn in range(turns):
-                messages.append({"role": "user", "content": f"Episode {index}, question {turn}: what is {turn} + {index}?"})
+                messages.append(user_message(index, turn))
                 start = time.perf_counter()
                 async with http.post(url + "/v1/chat/completions", headers={"Authorization": f"Bearer {sid}"},
                                      json={"model": "m", "messages": messages, "max_tokens": max_tokens}) as response:
@@ -101,9 +131,15 @@ def serve_engine(checkpoint: str, max_batch_size: int, urls) -> None:
     threading.Event().wait()
 
 
-def summarize(wall: float, latencies: list[float], tokens: int) -> dict:
-    return {"wall_s": wall, "turns": len(latencies), "generated_tokens": tokens, "tokens_per_s": tokens / wall,
-            "latency_mean_ms": 1000 * statistics.fmean(latencies), "latency_median_ms": 1000 * statistics.median(latencies)}
+def summarize(wall: float, latencies: list[float], tokens: int, cpu: float | None = None,
+              prompt_cpu_ms: float | None = None) -> dict:
+    summary = {"wall_s": wall, "turns": len(latencies), "generated_tokens": tokens, "tokens_per_s": tokens / wall,
+               "latency_mean_ms": 1000 * statistics.fmean(latencies),
+               "latency_median_ms": 1000 * statistics.median(latencies)}
+    if cpu is not None:  # the session layer's own CPU time (HTTP both ways, rendering, tokenising, recording)
+        summary["session_cpu_ms_per_turn"] = 1000 * cpu / len(latencies)
+        summary["prompt_cpu_ms_per_turn"] = prompt_cpu_ms
+    return summary
 
 
 def main() -> None:
@@ -144,11 +180,14 @@ def main() -> None:
             def session_run():
                 states = [server.open({"max_new_tokens": args.max_tokens, "temperature": 0.0, "ignore_eos": True})
                           for _ in range(args.episodes)]
+                cpu = time.process_time()  # this process runs only the session server meanwhile
                 result = clients.submit(run_client, "session", server.url, [st.id for st in states], args.turns,
                                         args.concurrency, args.max_tokens).result()
+                cpu = time.process_time() - cpu
                 for st in states:
                     server.close(st.id)
-                return result, [[t.prompt_ids for t in st.trajectory.turns] for st in states]
+                return (*result, cpu, prompt_cpu_ms_per_turn(server.template, states)), \
+                    [[t.prompt_ids for t in st.trajectory.turns] for st in states]
 
             try:
                 # warm-up pair, not reported (first connections, template compilation, the engine's first waves); greedy
@@ -188,7 +227,9 @@ def main() -> None:
         m = median[mode]
         print(f"| {mode} | {m['tokens_per_s']:.1f} | {m['latency_mean_ms']:.1f} | {m['latency_median_ms']:.1f} |")
     print(f"session/raw tokens/s: {comparison['tokens_per_s_ratio']:.3f}; added latency per turn: "
-          f"{comparison['added_latency_per_turn_ms']:.1f} ms; written to {out}")
+          f"{comparison['added_latency_per_turn_ms']:.1f} ms; session layer CPU per turn: "
+          f"{median['session']['session_cpu_ms_per_turn']:.2f} ms (building prompts: "
+          f"{median['session']['prompt_cpu_ms_per_turn']:.2f} ms); written to {out}")
 
 
 if __name__ == "__main__":

@@ -321,6 +321,44 @@ def test_tool_call_parsing_and_templates_that_read_tools(tiny_hf_checkpoint):
     assert template.reads_tools and template.render(messages[:1], TOOLS, True).startswith("[add]<|im_start|>user")
     assert template.closing_ids == tokenizer("<|im_end|>\n", add_special_tokens=False)["input_ids"]
     assert template.glue([5, template.closing_ids[0]]) == template.closing_ids[1:]
+    assert template._compiled is not None and template._backend is not None  # the fast paths were taken
+
+
+@pytest.mark.parametrize("tools_template", [False, True])
+def test_the_fast_render_and_encode_equal_apply_chat_template(tiny_hf_checkpoint, monkeypatch, tools_template):
+    """The session layer's compiled-template rendering and backend tokenising give exactly what
+    ``apply_chat_template`` / ``tokenizer(...)`` give, and a transformers without the internal it uses falls
+    back to them."""
+    import sys
+    import types
+
+    import transformers.utils.chat_template_utils as ctu
+
+    from slimecore.hf_checkpoint import load_tokenizer
+
+    tokenizer = load_tokenizer(str(tiny_hf_checkpoint))
+    if tools_template:
+        tokenizer.chat_template = ("{% if tools %}{{ tools | tojson }}{% endif %}{% for m in messages %}<|im_start|>"
+                                   "{{ m['role'] }}\n{{ m['content'] }}{% if m.tool_calls %}{{ m.tool_calls | tojson }}"
+                                   "{% endif %}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>"
+                                   "assistant\n{% endif %}")
+    chats = [[{"role": "system", "content": "Tu es bref. <|im_end|> 数学"}, {"role": "user", "content": "1+1 ?\n\n"}],
+             [{"role": "user", "content": "add"}, {"role": "assistant", "content": "", "tool_calls": [
+                 {"id": "c", "type": "function", "function": {"name": "add", "arguments": {"a": 1, "b": [2]}}}]},
+              {"role": "tool", "tool_call_id": "c", "content": "3"}, {"role": "assistant", "content": " ok "}]]
+    fast, slow = ChatTemplate(tokenizer), None
+    without = types.ModuleType(ctu.__name__)  # that module as a transformers without the internal would have it
+    without.__dict__.update({k: v for k, v in vars(ctu).items() if k != "_compile_jinja_template"})
+    monkeypatch.setitem(sys.modules, ctu.__name__, without)
+    slow = ChatTemplate(tokenizer)
+    assert fast._compiled is not None and fast._backend is not None and slow._compiled is None
+    for chat in chats:
+        for tools in (None, TOOLS):
+            for generation in (True, False):
+                text = fast.render(chat, tools, generation)
+                assert text == slow.render(chat, tools, generation)
+                assert fast.encode(text) == tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert fast.closing_ids == slow.closing_ids
 
 
 class InProcessAgent:

@@ -107,6 +107,18 @@ def hermes_messages(messages: list[dict], tools: list[dict] | None) -> list[dict
     return [{"role": m["role"], "content": m["content"]} for m in out]
 
 
+_PROBE_TOOL = {"type": "function", "function": {"name": "add", "description": "Add two numbers.",
+                                               "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                              "b": {"type": "integer"}}, "required": ["a", "b"]}}}
+_PROBE_CHAT = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3? Ünïcode, \"quotes\""},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "5"},
+               {"role": "assistant", "content": "It is 5.\n"}, {"role": "user", "content": "  and 1 + 1?"}]
+_PROBES = [(chat, tools, generation) for chat in (_PROBE_CHAT[1:2], _PROBE_CHAT[:2], _PROBE_CHAT, _PROBE_CHAT[:5])
+           for tools in (None, [_PROBE_TOOL]) for generation in (True, False)]
+
+
 class ChatTemplate:
     """Renders canonical messages to text and token ids with one tokenizer's chat template.
 
@@ -119,19 +131,63 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         self.kwargs = dict(chat_template_kwargs or {})
         self.reads_tools = "tools" in tokenizer.chat_template
+        self._compiled, self._backend = None, None
+        self._compiled, self._backend = self._fast_paths()
         text = self.render([{"role": "user", "content": "x"}, {"role": "assistant", "content": _SENTINEL}], None,
                            add_generation_prompt=False)
         self.closing_ids = self.encode(text[text.index(_SENTINEL) + len(_SENTINEL):])
 
     def render(self, messages: list[dict], tools: list[dict] | None, add_generation_prompt: bool) -> str:
-        if self.reads_tools:
-            return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                                      add_generation_prompt=add_generation_prompt, **self.kwargs)
-        return self.tokenizer.apply_chat_template(hermes_messages(messages, tools), tokenize=False,
+        if not self.reads_tools:
+            messages, tools = hermes_messages(messages, tools), None
+        if self._compiled is not None:
+            return self._compiled[tools is not None].render(messages=messages, tools=tools, documents=None,
+                                                            add_generation_prompt=add_generation_prompt,
+                                                            **self._variables)
+        return self.tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                                   add_generation_prompt=add_generation_prompt, **self.kwargs)
 
     def encode(self, text: str) -> list[int]:
+        if self._backend is not None:
+            return self._backend.encode(text, add_special_tokens=False).ids
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+    def _fast_paths(self):
+        """The session layer renders and tokenises on every turn, and ``apply_chat_template`` / ``tokenizer(...)``
+        spend most of their time copying and wrapping (each message rebuilt, a ``BatchEncoding`` per call). The
+        messages here are canonical plain JSON already, so the compiled template (the one ``apply_chat_template``
+        uses, with the same variables) and the fast tokenizer's backend give the same text and ids for a fraction
+        of the cost. Each is used only if it agrees with the slow path on probe conversations (tools, tool calls,
+        several turns, both ``add_generation_prompt`` values); otherwise, or with another transformers, the slow
+        path stays."""
+        self._compiled, slow = None, []
+        for messages, tools, generation in _PROBES:
+            try:  # a probe this template refuses (say, a system message) checks nothing
+                slow.append(((messages, tools, generation), self.render(messages, tools, generation)))
+            except Exception:
+                continue
+        compiled = None
+        try:
+            from transformers.utils.chat_template_utils import _compile_jinja_template
+
+            tools_probe = [_PROBE_TOOL] if self.reads_tools else None
+            compiled = (_compile_jinja_template(self.tokenizer.get_chat_template(None, None)),
+                        _compile_jinja_template(self.tokenizer.get_chat_template(None, tools_probe)))
+            self._variables = {**self.tokenizer.special_tokens_map, **self.kwargs}
+            self._compiled = compiled
+            if not slow or any(self.render(*probe) != text for probe, text in slow):
+                compiled = None
+        except Exception:  # a transformers without these internals, or a template that needs its preprocessing
+            compiled = None
+        backend = getattr(self.tokenizer, "_tokenizer", None)
+        try:
+            texts = [text for _, text in slow]
+            if [backend.encode(text, add_special_tokens=False).ids for text in texts] != \
+                    [list(self.tokenizer(text, add_special_tokens=False)["input_ids"]) for text in texts]:
+                backend = None
+        except Exception:  # not a fast (tokenizers-backed) tokenizer
+            backend = None
+        return compiled, backend
 
     def glue(self, output_ids: list[int]) -> list[int]:
         """What closes a model turn that produced ``output_ids``: the closing tokens it did not write itself."""

@@ -89,7 +89,8 @@ class Trajectory:
             full = self.template.render(messages, tools, add_generation_prompt=True)
             prefix = self.template.render(messages[:depth], tools, add_generation_prompt=False)
             if full.startswith(prefix):
-                ids = parent.end_ids + self.template.glue(parent.output_ids) + self.template.encode(full[len(prefix):])
+                ids = [*parent.prompt_ids, *parent.output_ids, *self.template.glue(parent.output_ids),
+                       *self.template.encode(full[len(prefix):])]
                 return Prompt(ids, parent.index, keys, tools_key)
         text = self.template.render(messages, tools, add_generation_prompt=True)
         return Prompt(self.template.encode(text), None, keys, tools_key)

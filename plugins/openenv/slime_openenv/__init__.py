@@ -1,0 +1,1 @@
+"""OpenEnv environments for slime-core (see ``slime_openenv.plugin``)."""

@@ -1,0 +1,1 @@
+"""The shipped example OpenEnv environment: guess a secret number with higher/lower feedback (``server.app``)."""
