@@ -49,6 +49,7 @@ from pathlib import Path
 
 import torch
 
+from slimecore.engines.fastpath import FastDecoder
 from slimecore.engines.http import BadRequest, build_app, run_app
 
 log = logging.getLogger("slimecore.engine")
@@ -331,6 +332,9 @@ class EmbeddedServer:
         self.eos_ids = frozenset(t for s in sources for t in (s if isinstance(s, list) else [s]) if t is not None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._growing_layer = _growing_layer_class()
+        why_not = FastDecoder.supports(self.model)
+        self.fast = None if why_not else FastDecoder(self.model)  # the decode step; prefill stays HF's forward
+        log.info("decode step: %s", "fast path" if self.fast else f"HF forward ({why_not})")
 
     # -- weights -----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -485,6 +489,8 @@ class EmbeddedServer:
                     module, _, attr = name.rpartition(".")
                     self.model.get_submodule(module).register_buffer(attr, value, persistent=False)
                 self._buffers = {}
+                if self.fast is not None:  # to_empty made new parameters: fuse them again
+                    self.fast.bind()
                 self._weights_missing = set(self.model.state_dict())
         self._released -= set(tags)
 
@@ -748,6 +754,9 @@ class EmbeddedServer:
     def _decode_step(self, batch: _Batch, tokens: list[int]) -> None:
         batch.mask = torch.nn.functional.pad(batch.mask, (0, 1), value=1)
         batch.positions = batch.positions + 1
+        if self.fast is not None:
+            batch.logits = self.fast.step(torch.tensor(tokens), batch.positions, batch.mask, batch.cache)
+            return
         out = self.model(input_ids=torch.tensor(tokens)[:, None], attention_mask=batch.mask,
                          position_ids=batch.positions, use_cache=True, **{self.cache_name: batch.cache})
         batch.cache, batch.logits = getattr(out, self.cache_name), out.logits[:, -1, :].float()
