@@ -149,7 +149,7 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory() as tmp:
         path = model_dir(args.model, Path(tmp))
-        server = EmbeddedServer(path, max_batch_size=max(batch_size, 64), num_threads=args.threads)
+        server = EmbeddedServer(path, max_batch_size=64 if args.rollout else batch_size, num_threads=args.threads)
         server.start()
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
         model.generation_config.eos_token_id = None  # no stop token, as the engine's ignore_eos

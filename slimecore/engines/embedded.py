@@ -496,6 +496,8 @@ class EmbeddedServer:
                 saved = set(self.model.state_dict())
                 self._buffers = {name: b.clone() for name, b in self.model.named_buffers() if name not in saved}
                 self.model.to("meta")
+                if self.fast is not None:  # its fused tensors are the weights' storage: let them go too
+                    self.fast.layers = []
         self._released |= set(tags)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
