@@ -14,10 +14,10 @@ Batching (continuous, on one scheduler thread): the scheduler collects the waiti
 ``max_batch_size``, 64 by default; it starts once no request came for a few milliseconds), prefills them
 together with HF's forward (left padding, attention mask, position ids from the mask) and decodes step by
 step with the HF KV cache, through the engine's own decode step for Llama/Qwen2/Qwen3
-(:mod:`slimecore.engines.fastpath`) and HF's forward for other architectures. Prompts that start with the same tokens (the n
-samples of one prompt, a shared chat template) prefill that prefix once, as SGLang's prefix cache does,
-and the cache layers write each step into a buffer grown by chunks, not a new concatenated copy. A
-finished row leaves the batch at once (its KV rows are dropped); requests that arrive meanwhile are
+(:mod:`slimecore.engines.fastpath`) and HF's forward for other architectures. Prompts that start with the
+same tokens (the n samples of one prompt, a shared chat template) prefill that prefix once, as SGLang's
+prefix cache does, and the cache layers write each step into a buffer grown by chunks, not a new
+concatenated copy. A finished row leaves the batch at once (its KV rows are dropped); requests that arrive meanwhile are
 prefilled on their own and join the running batch, their cache left-padded to the same length.
 Joining stops while a weight update waits, so updates are never starved.
 

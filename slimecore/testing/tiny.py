@@ -17,7 +17,8 @@ CHAT_TEMPLATE = (
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BPE_VOCAB = 400
-ARCHS = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral"}  # arch -> transformers class prefix
+# arch -> the transformers class prefix (``Qwen2Config``, ``Qwen2ForCausalLM``)
+ARCHS = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral"}
 _BUILT: dict[tuple, Path] = {}  # (directory, spec) -> directory, for repeated calls in one process
 
 
