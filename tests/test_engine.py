@@ -114,7 +114,10 @@ def test_abort_all_returns_partial_outputs_and_leaves_engines_idle(engines):
         try:
             tasks = [asyncio.ensure_future(client.generate([5, 6, 7], {"max_new_tokens": 100000, "ignore_eos": True}))
                      for _ in range(4)]
-            await asyncio.sleep(0.5)
+            # abort as soon as all four decode: the engine reaches the 512-token context in well under a second
+            deadline = time.time() + scaled(30)
+            while sum(s.loads()["num_running_reqs"] for s in servers) < 4 and time.time() < deadline:
+                await asyncio.sleep(0.005)
             await client.abort_all()
             return await asyncio.gather(*tasks)
         finally:

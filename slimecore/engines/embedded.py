@@ -11,11 +11,13 @@ routes live in :mod:`slimecore.engines.http`; this module holds the model, the s
 request state they drive.
 
 Batching (continuous, on one scheduler thread): the scheduler collects the waiting requests (up to
-``max_batch_size``), prefills them together (left padding, attention mask, position ids from the
-mask) and decodes step by step with the HF KV cache. Prompts that start with the same tokens (the n
-samples of one prompt, a shared chat template) prefill that prefix once, as SGLang's prefix cache does,
-and the cache layers write each step into a buffer grown by chunks, not a new concatenated copy. A
-finished row leaves the batch at once (its KV rows are dropped); requests that arrive meanwhile are
+``max_batch_size``, 64 by default; it starts once no request came for a few milliseconds), prefills them
+together with HF's forward (left padding, attention mask, position ids from the mask) and decodes step by
+step with the HF KV cache, through the engine's own decode step for Llama/Qwen2/Qwen3
+(:mod:`slimecore.engines.fastpath`) and HF's forward for other architectures. Prompts that start with the
+same tokens (the n samples of one prompt, a shared chat template) prefill that prefix once, as SGLang's
+prefix cache does, and the cache layers write each step into a buffer grown by chunks, not a new
+concatenated copy. A finished row leaves the batch at once (its KV rows are dropped); requests that arrive meanwhile are
 prefilled on their own and join the running batch, their cache left-padded to the same length.
 Joining stops while a weight update waits, so updates are never starved.
 
@@ -33,6 +35,7 @@ paused) and the requests queued meanwhile start on the new weights.
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import logging
 import math
@@ -43,12 +46,14 @@ import time
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
 
+from slimecore.engines.fastpath import FastDecoder
 from slimecore.engines.http import BadRequest, build_app, run_app
 
 log = logging.getLogger("slimecore.engine")
@@ -81,14 +86,32 @@ class Request:
     aborted: bool = False  # set by /abort_request; the decode loop finishes the row after its current step
     created: float = field(default_factory=time.perf_counter)
     generator: torch.Generator | None = None  # only with sampling_seed: this row then samples on its own
+    on_done: Callable[[], None] | None = None  # called once, on the finishing thread, after ``done`` is set
 
-    @property
+    def finished(self) -> asyncio.Future:
+        """A future of the running event loop, resolved when the request finishes: an HTTP handler awaits it
+        instead of holding an executor thread per request. Call it before ``submit``."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+
+        def resolve() -> None:
+            if not future.done():
+                future.set_result(None)
+
+        def on_done() -> None:
+            if not loop.is_closed():  # a stopped server's loop: nobody waits any more
+                loop.call_soon_threadsafe(resolve)
+
+        self.on_done = on_done
+        return future
+
+    @cached_property  # the params never change: asked per row and step
     def adjusts_logits(self) -> bool:
         p = self.params
         return bool(p["frequency_penalty"] or p["presence_penalty"] or p["repetition_penalty"] != 1.0
                     or p["logit_bias"] or p["min_new_tokens"])
 
-    @property
+    @cached_property
     def draws_alone(self) -> bool:
         """Top-k/top-p/min-p filtering or its own seeded generator: this row cannot share the batched draw."""
         p = self.params
@@ -240,7 +263,7 @@ class EmbeddedServer:
     the model and starts the scheduler; it returns the URL. ``stop()`` aborts everything and closes it.
     """
 
-    def __init__(self, model_path: str | Path, host: str = "127.0.0.1", port: int = 0, max_batch_size: int = 32,
+    def __init__(self, model_path: str | Path, host: str = "127.0.0.1", port: int = 0, max_batch_size: int = 64,
                  dtype: str = "float32", seed: int = 0, model_path_for_info: str | None = None,
                  num_threads: int = 1, api_key: str | None = None):
         self.model_path, self.host, self.port = str(model_path), host, port
@@ -248,7 +271,8 @@ class EmbeddedServer:
         self.model_path_for_info = model_path_for_info or self.model_path
         self.max_batch_size, self.num_threads, self.seed = max_batch_size, num_threads, seed
         self.dtype = getattr(torch, dtype)
-        self.gather_window = 0.05  # seconds an idle engine collects requests before it starts a batch
+        self.gather_window = 0.05  # seconds an idle engine collects requests before it starts a batch, at most
+        self.gather_quiet = 0.005  # ... and it starts at once when none arrived for this long
         self.weight_version = "default"
         self.ready = False
         self.generator = torch.Generator().manual_seed(seed)
@@ -304,12 +328,9 @@ class EmbeddedServer:
             self._loop.call_soon_threadsafe(self._loop.stop)
 
     def _serve(self, started: threading.Event) -> None:
-        import asyncio
-
-
         self._loop = asyncio.new_event_loop()
-        # every /generate handler waits for its request on an executor thread (asyncio.to_thread); the
-        # default pool (cpu_count + 4 threads) would cap the engine at that many concurrent requests
+        # a /generate handler that arrives while generation is paused waits on an executor thread
+        # (asyncio.to_thread); the default pool (cpu_count + 4 threads) would cap how many can be held
         self._loop.set_default_executor(ThreadPoolExecutor(max_workers=1024, thread_name_prefix="engine-wait"))
         asyncio.set_event_loop(self._loop)
         self.port = run_app(self._loop, build_app(self), self.host, self.port)
@@ -331,6 +352,9 @@ class EmbeddedServer:
         self.eos_ids = frozenset(t for s in sources for t in (s if isinstance(s, list) else [s]) if t is not None)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self._growing_layer = _growing_layer_class()
+        why_not = FastDecoder.supports(self.model)
+        self.fast = None if why_not else FastDecoder(self.model)  # the decode step; prefill stays HF's forward
+        log.info("decode step: %s", "fast path" if self.fast else f"HF forward ({why_not})")
 
     # -- weights -----------------------------------------------------------------------------
     def load_weights(self, named_tensors: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
@@ -472,6 +496,8 @@ class EmbeddedServer:
                 saved = set(self.model.state_dict())
                 self._buffers = {name: b.clone() for name, b in self.model.named_buffers() if name not in saved}
                 self.model.to("meta")
+                if self.fast is not None:  # its fused tensors are the weights' storage: let them go too
+                    self.fast.layers = []
         self._released |= set(tags)
 
     def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
@@ -485,6 +511,8 @@ class EmbeddedServer:
                     module, _, attr = name.rpartition(".")
                     self.model.get_submodule(module).register_buffer(attr, value, persistent=False)
                 self._buffers = {}
+                if self.fast is not None:  # to_empty made new parameters: fuse them again
+                    self.fast.bind()
                 self._weights_missing = set(self.model.state_dict())
         self._released -= set(tags)
 
@@ -590,6 +618,8 @@ class EmbeddedServer:
             if req in self._running:  # a batch that others keep joining may outlive many requests
                 self._running.remove(req)
             req.done.set()
+        if req.on_done is not None:
+            req.on_done()
 
     # -- scheduler ---------------------------------------------------------------------------
     def _take(self, limit: int) -> list[Request]:
@@ -605,11 +635,15 @@ class EmbeddedServer:
                 if not self._cond.wait_for(lambda: self._stop.is_set() or (self._queue and self.unpaused.is_set()),
                                            timeout=1.0) or self._stop.is_set():
                     continue
-                # the requests of one rollout arrive over a few milliseconds: prefill them together; later
-                # ones join the running batch, so this wait is bounded
+                # the requests of one rollout arrive over a few milliseconds: prefill them together. The wave
+                # starts when the batch is full, when no request came for ``gather_quiet`` or after
+                # ``gather_window``; later ones join the running batch
                 deadline = time.monotonic() + self.gather_window
                 while len(self._queue) < self.max_batch_size and (left := deadline - time.monotonic()) > 0:
-                    self._cond.wait(left)
+                    waiting = len(self._queue)
+                    self._cond.wait(min(left, self.gather_quiet))
+                    if len(self._queue) == waiting:
+                        break
                 wave = self._take(self.max_batch_size)
             try:
                 with self._weights_lock:
@@ -748,6 +782,9 @@ class EmbeddedServer:
     def _decode_step(self, batch: _Batch, tokens: list[int]) -> None:
         batch.mask = torch.nn.functional.pad(batch.mask, (0, 1), value=1)
         batch.positions = batch.positions + 1
+        if self.fast is not None:
+            batch.logits = self.fast.step(torch.tensor(tokens), batch.positions, batch.mask, batch.cache)
+            return
         out = self.model(input_ids=torch.tensor(tokens)[:, None], attention_mask=batch.mask,
                          position_ids=batch.positions, use_cache=True, **{self.cache_name: batch.cache})
         batch.cache, batch.logits = getattr(out, self.cache_name), out.logits[:, -1, :].float()
@@ -893,7 +930,7 @@ class EmbeddedEngineActor:
     """Ray actor holding one EmbeddedServer (create it with ``launch_embedded_engines``). ``host="node"``
     binds the address of the node it runs on (multi-node runs), anything else is used as given."""
 
-    def __init__(self, model_path: str, max_batch_size: int = 32, seed: int = 0, num_threads: int = 1,
+    def __init__(self, model_path: str, max_batch_size: int = 64, seed: int = 0, num_threads: int = 1,
                  dtype: str = "float32", host: str = "127.0.0.1", api_key: str | None = None):
         if host == "node":
             import ray
@@ -926,7 +963,7 @@ class EmbeddedEngines:
 
     def __init__(self, model_path: str, num_cpus: float = 0.5, placement_group=None,
                  bundle_indices: list[int] | None = None, timeout: float = 120, seed: int = 0, num_threads: int = 1,
-                 max_batch_size: int = 32, host: str = "127.0.0.1"):
+                 max_batch_size: int = 64, host: str = "127.0.0.1"):
         self.model_path, self.num_cpus, self.placement_group = model_path, num_cpus, placement_group
         self.bundle_indices, self.timeout, self.seed = bundle_indices, timeout, seed
         self.num_threads, self.max_batch_size, self.host = num_threads, max_batch_size, host
@@ -977,7 +1014,7 @@ class EmbeddedEngines:
 
 def launch_embedded_engines(n: int, model_path: str, num_cpus: float = 0.5, placement_group=None,
                             bundle_indices: list[int] | None = None, timeout: float = 120, seed: int = 0,
-                            num_threads: int = 1, max_batch_size: int = 32) -> list[tuple[object, str]]:
+                            num_threads: int = 1, max_batch_size: int = 64) -> list[tuple[object, str]]:
     """Start ``n`` engine actors (engine i in bundle ``bundle_indices[i]`` of the placement group, seed
     ``seed + i``) and wait until all serve; returns ``[(actor, url), ...]``."""
     return EmbeddedEngines(model_path, num_cpus, placement_group, bundle_indices, timeout, seed, num_threads,

@@ -79,9 +79,11 @@ def build_app(server) -> web.Application:
             req = server.new_request(await body(request))
         except BadRequest as exc:
             return _error(str(exc))
-        await asyncio.to_thread(server.unpaused.wait)  # paused: hold new requests, don't reject them
+        if not server.unpaused.is_set():
+            await asyncio.to_thread(server.unpaused.wait)  # paused: hold new requests, don't reject them
+        finished = req.finished()
         server.submit(req)
-        await asyncio.to_thread(req.done.wait)
+        await finished
         reason = req.finish_reason or {}
         if reason.get("status_code") == 500:
             return _error(reason["message"], 500)

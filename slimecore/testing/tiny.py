@@ -17,6 +17,8 @@ CHAT_TEMPLATE = (
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BPE_VOCAB = 400
+# arch -> the transformers class prefix (``Qwen2Config``, ``Qwen2ForCausalLM``)
+ARCHS = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral"}
 _BUILT: dict[tuple, Path] = {}  # (directory, spec) -> directory, for repeated calls in one process
 
 
@@ -50,8 +52,8 @@ def build_tokenizer():
 
 def make_tiny_checkpoint(directory: str | Path, arch: str = "qwen2", vocab_size: int | None = None,
                          hidden: int = 64, layers: int = 2, heads: int = 4, kv_heads: int = 2, seed: int = 0) -> Path:
-    """Write a random-init ``arch`` (``"qwen2"`` or ``"llama"``) fp32 model plus tokenizer to ``directory``
-    as safetensors and return the directory.
+    """Write a random-init ``arch`` (a key of ``ARCHS``) fp32 model plus tokenizer to ``directory`` as
+    safetensors and return the directory.
 
     ``vocab_size`` is the model's embedding rows (default: the tokenizer's size); a larger value pads the
     vocabulary the way real checkpoints do. A directory already built with the same arguments is reused
@@ -66,21 +68,23 @@ def make_tiny_checkpoint(directory: str | Path, arch: str = "qwen2", vocab_size:
     if stamp.is_file() and json.loads(stamp.read_text()) == spec:
         _BUILT[key] = directory
         return directory
-    if arch not in ("qwen2", "llama"):
-        raise ValueError(f"arch must be 'qwen2' or 'llama', got {arch!r}")
+    if arch not in ARCHS:
+        raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
 
     import torch
-    from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
+    from transformers import GenerationConfig
 
     tokenizer = build_tokenizer()
     if vocab_size is not None and vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {vocab_size} is smaller than the tokenizer ({len(tokenizer)} tokens)")
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+    name = ARCHS[arch]
+    config_cls, model_cls = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
     config = config_cls(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
-                        max_position_embeddings=512, tie_word_embeddings=False, eos_token_id=eos, pad_token_id=pad,
-                        bos_token_id=None)
+                        head_dim=hidden // heads, max_position_embeddings=512, tie_word_embeddings=False,
+                        eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
