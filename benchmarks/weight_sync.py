@@ -110,7 +110,8 @@ def main() -> None:
     ray.shutdown()
     out = {"model": str(checkpoint), "weight_bytes": nbytes, "bucket_bytes": args.bucket_bytes,
            "repeats": args.repeats, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-           "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "results": results}
+           "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "load_average_at_end": os.getloadavg(),
+           "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
