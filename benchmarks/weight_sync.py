@@ -3,7 +3,9 @@
     python benchmarks/weight_sync.py --model smollm2 --repeats 5 --out benchmarks/results/weight_sync_smollm2.json
 
 Each protocol pushes the full model ``--repeats`` times (after one warm-up push) and the median is kept:
-``tensor`` (/update_weights_from_tensor, shared memory), ``distributed`` (/update_weights_from_distributed,
+``tensor`` (/update_weights_from_tensor with the weights in shared memory, as the fsdp trainer keeps them
+on CPU: the engine's copy is the only one), ``tensor-copy`` (the same from ordinary memory, as LoRA-merged or
+megatron weights: first copied into the sender's shared buffer), ``distributed (/update_weights_from_distributed,
 gloo broadcast; the group made once, in the warm-up), ``disk`` (save safetensors + /update_weights_from_disk)
 and ``object-store`` (ray.put of the state dict + the engine actor's load_weights). Tensor and distributed
 send tied weights once, as the fsdp trainer's export does. Pause/flush/continue
@@ -33,6 +35,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--bucket-bytes", type=int, default=512 * 1024**2)
     parser.add_argument("--out", default="benchmarks/results/weight_sync.json")
+    parser.add_argument("--protocols", nargs="+", default=["tensor-copy", "tensor", "distributed", "disk",
+                                                            "object-store"])
     args = parser.parse_args()
     for key, value in {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
                        "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}.items():
@@ -62,8 +66,14 @@ def main() -> None:
     sender = WeightSender(args.bucket_bytes, timeout=600)
     workdir = Path(tempfile.mkdtemp(prefix="slimecore-bench-weights-"))
 
-    def buckets():  # what the fsdp trainer exports: tied weights once
-        return weight_sync.bucketize(weight_sync.unique_tensors(state.items()), args.bucket_bytes)
+    def buckets(named=None):  # what the fsdp trainer exports: tied weights once
+        return weight_sync.bucketize(weight_sync.unique_tensors((named or state).items()), args.bucket_bytes)
+
+    copies = {k: v.detach().clone() for k, v in state.items()}  # ordinary memory, tied weights kept tied
+    copies.update((k, copies[tied]) for k, tied in _tied_names(state).items())
+
+    def tensor_copy(version):
+        sender.push(buckets(copies), [Endpoint(url)], version, "tensor")
 
     def tensor(version):
         sender.push(buckets(), [Endpoint(url)], version, "tensor")
@@ -79,8 +89,14 @@ def main() -> None:
     def object_store(version):
         ray.get(actor.load_weights.remote(ray.put({k: v.detach() for k, v in state.items()}), version))
 
+    protocols = {"tensor-copy": tensor_copy, "tensor": tensor, "distributed": distributed, "disk": disk,
+                 "object-store": object_store}
     results = {}
-    for name, push in (("tensor", tensor), ("distributed", distributed), ("disk", disk), ("object-store", object_store)):
+    for name in args.protocols:
+        if name == "tensor":
+            weight_sync.share_weights(model)  # the fsdp trainer's layout on CPU
+            state = model.state_dict()
+        push = protocols[name]
         push(f"{name}-warmup")
         seconds = []
         for i in range(args.repeats):
@@ -94,10 +110,23 @@ def main() -> None:
     ray.shutdown()
     out = {"model": str(checkpoint), "weight_bytes": nbytes, "bucket_bytes": args.bucket_bytes,
            "repeats": args.repeats, "machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.system()}",
-           "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "results": results}
+           "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__, "load_average_at_end": os.getloadavg(),
+           "results": results}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
     print(f"wrote {args.out}")
+
+
+def _tied_names(state: dict) -> dict[str, str]:
+    """name -> the earlier name whose tensor it is (tied embeddings)."""
+    first, tied = {}, {}
+    for name, tensor in state.items():
+        key = (tensor.data_ptr(), tuple(tensor.shape))
+        if key in first:
+            tied[name] = first[key]
+        else:
+            first[key] = name
+    return tied
 
 
 if __name__ == "__main__":

@@ -145,7 +145,34 @@ def shape_mismatches(actual: Any, expected: dict[str, Any], source: str) -> list
 
 def hf_tensor_shapes(hf_config) -> dict[str, tuple[int, ...]]:
     """Names and shapes of the tensors an HF checkpoint of ``hf_config`` holds on disk (a meta-device model,
-    with transformers 5's load-time fusions such as MoE experts reverted to the saved layout)."""
+    with transformers 5's load-time fusions such as MoE experts reverted to the saved layout).
+
+    Kept in ``$SLIMECORE_CACHE/shapes/`` per config and transformers version: building the meta model imports
+    the model's modeling code, seconds of the driver's checks before Ray that the same model pays once."""
+    import hashlib
+
+    import transformers
+
+    from slimecore.hf_checkpoint import cache_root
+
+    key = hashlib.sha256(f"{transformers.__version__}\n{hf_config.to_json_string(use_diff=False)}".encode()).hexdigest()
+    path = cache_root() / "shapes" / f"{key[:32]}.json"
+    try:
+        return {name: tuple(shape) for name, shape in json.loads(path.read_text()).items()}
+    except (OSError, ValueError, AttributeError):  # not kept yet (or unreadable): build it
+        pass
+    shapes = _meta_model_shapes(hf_config)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(shapes))
+        os.replace(tmp, path)
+    except OSError:  # a read-only cache: checked again next time
+        pass
+    return shapes
+
+
+def _meta_model_shapes(hf_config) -> dict[str, tuple[int, ...]]:
     import torch
     from transformers import AutoModelForCausalLM
 

@@ -88,3 +88,34 @@ def test_default_smollm2_converts_once_and_answers(tmp_path):
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=12, do_sample=False)
     assert "Paris" in tok.decode(out[0, ids.shape[1]:])
+
+
+def test_weights_against_config_are_checked_with_the_expected_shapes_kept(tmp_path, monkeypatch, tiny_checkpoint):
+    """The expected shapes (a meta model built from config.json) are kept per config in the cache, so a later
+    run skips building the model; the weights on disk are read and compared every time."""
+    import shutil
+
+    from transformers import AutoConfig
+
+    from slimecore import convert
+    from slimecore.config import Config, ConfigError
+    from slimecore.preflight import check_hf_checkpoint
+
+    monkeypatch.setenv("SLIMECORE_CACHE", str(tmp_path / "cache"))
+    good = AutoConfig.from_pretrained(str(tiny_checkpoint))
+    convert.check_hf_weights(tiny_checkpoint, good)
+    assert len(list((tmp_path / "cache" / "shapes").glob("*.json"))) == 1
+    monkeypatch.setattr(convert, "_meta_model_shapes", lambda config: pytest.fail("the kept shapes were not used"))
+    convert.check_hf_weights(tiny_checkpoint, good)
+
+    other = tmp_path / "other"
+    shutil.copytree(tiny_checkpoint, other)
+    config = json.loads((other / "config.json").read_text())
+    config["intermediate_size"] += 8  # the weights on disk no longer match: an mlp shape differs
+    (other / "config.json").write_text(json.dumps(config))
+    monkeypatch.undo()
+    monkeypatch.setenv("SLIMECORE_CACHE", str(tmp_path / "cache"))
+    for _ in range(2):  # built, then kept: the mismatch is found both times
+        with pytest.raises(ConfigError, match=r"do not match its config.json: wrong shape: .*mlp"):
+            check_hf_checkpoint(Config.make(hf_checkpoint=str(other)))
+    assert len(list((tmp_path / "cache" / "shapes").glob("*.json"))) == 2

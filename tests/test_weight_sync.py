@@ -233,3 +233,80 @@ def test_kept_shared_buffer_serves_engines_that_join_later(ray_session, tiny_che
     finally:
         for actor, _ in engines:
             ray_session.kill(actor)
+
+
+# -- weights the trainer keeps in shared memory ---------------------------------------------------------
+def _mapped_bucket(ray_session, actor) -> int:
+    """Where the engine has the last pushed bucket's shared memory mapped (an address in its process)."""
+    return ray_session.get(actor.__ray_call__.remote(lambda engine: engine.server._mapped_bucket.data_ptr()),
+                           timeout=60)
+
+
+def test_weights_in_shared_memory_reach_every_engine_without_a_copy(ray_session, tiny_checkpoint):
+    """The fsdp trainer's layout (weight_sync.share_weights): a push sends spans of the weights themselves
+    (the sender makes no copy buffer), every engine serves them bit for bit under the pushed version, and
+    the next push after an in-place update (as the optimizer's) reaches the engines through the mapping they
+    kept. An engine that cannot be reached is named."""
+    from slimecore.engines.embedded import launch_embedded_engines
+
+    model = trainer_model(tiny_checkpoint, seed=30)
+    before = weight_sync.digest(model.state_dict().items())
+    weight_sync.share_weights(model)
+    storages = {t.untyped_storage().data_ptr() for t in model.state_dict().values()}
+    assert len(storages) == 1
+    assert weight_sync.digest(model.state_dict().items()) == before
+    engines = launch_embedded_engines(2, str(tiny_checkpoint), num_cpus=0.1, timeout=180)
+    endpoints = [Endpoint(url) for _, url in engines]
+    sender = WeightSender(bucket_bytes=64 * 1024, timeout=120)
+    try:
+        mapped = None
+        for version in ("1", "2"):
+            buckets = weight_sync.bucketize(weight_sync.unique_tensors(model.state_dict().items()), sender.bucket_bytes)
+            assert sender.push(buckets, endpoints, version, "tensor")["buckets"] > 1
+            assert sender._shared is None  # nothing was copied into a transfer buffer
+            expected = weight_sync.digest(model.state_dict().items())
+            for actor, url in engines:
+                assert ray_session.get(actor.weights_digest.remote(), timeout=60) == expected, (version, url)
+                assert http_json("GET", url + "/model_info")[1]["weight_version"] == version
+            now = [_mapped_bucket(ray_session, actor) for actor, _ in engines]
+            assert mapped is None or now == mapped  # the second push found the first one's mapping
+            mapped = now
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.mul_(0.9)
+        dead = Endpoint("http://127.0.0.1:9")
+        buckets = weight_sync.bucketize(weight_sync.unique_tensors(model.state_dict().items()), sender.bucket_bytes)
+        with pytest.raises(WeightSyncError, match="127.0.0.1:9/update_weights_from_tensor"):
+            sender.push(buckets, [endpoints[0], dead], "3", "tensor")
+    finally:
+        for actor, _ in engines:
+            ray_session.kill(actor)
+
+
+def test_fsdp_trainer_keeps_pushed_weights_in_shared_memory_but_merges_lora_into_a_copy(tiny_checkpoint):
+    """Full fine-tuning on CPU: the policy's weights lie in one shared buffer and its buckets are spans of it.
+    LoRA: the merged weights (W + scaling B A) are new tensors, copied once into the sender's buffer; the
+    engine serves the merged weights."""
+    from slimecore.config import Config
+    from slimecore.testing.engines import embedded_engine
+    from slimecore.trainers.fsdp import FSDPBackend
+
+    full = FSDPBackend(Config.make(hf_checkpoint=str(tiny_checkpoint)))
+    buckets = list(full.hf_weight_buckets(64 * 1024))
+    assert len(buckets) > 1 and all(weight_sync.shared_span(bucket) is not None for bucket in buckets)
+    assert not FSDPBackend(Config.make(hf_checkpoint=str(tiny_checkpoint),
+                                       update_weight_transport="distributed")).params[0].is_shared()
+
+    lora = FSDPBackend(Config.make(hf_checkpoint=str(tiny_checkpoint), use_lora=True, lora_rank=4, lora_alpha=8))
+    with torch.no_grad():
+        for name, param in lora.model.named_parameters():
+            if "lora_B" in name:
+                param.fill_(0.01)  # as after training: the merge changes the weights
+    sender = WeightSender(bucket_bytes=64 * 1024, timeout=120)
+    with embedded_engine(tiny_checkpoint) as engine:
+        sender.push(lora.hf_weight_buckets(64 * 1024), [Endpoint(engine.url)], "lora-1", "tensor")
+        assert sender._shared is not None and engine.weight_version == "lora-1"
+        merged = lora.named_weights()
+        assert engine.weights_digest() == weight_sync.digest(merged.items())
+        assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                               full.model.state_dict()["model.layers.0.self_attn.q_proj.weight"])

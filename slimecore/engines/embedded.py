@@ -291,6 +291,7 @@ class EmbeddedServer:
         self._released: set[str] = set()  # memory tags released by /release_memory_occupation
         self._buffers: dict[str, torch.Tensor] = {}  # non-weight buffers (rotary tables) kept over a release
         self._weights_missing: set[str] = set()  # resumed weights not yet overwritten by an update
+        self._mapped_bucket = None  # the last /update_weights_from_tensor bucket's shared memory, kept mapped
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -418,6 +419,10 @@ class EmbeddedServer:
             raise BadRequest(f"serialized_named_tensors[0] is not a tensor payload: {exc}") from None
         if load_format == "flattened_bucket":
             named = weight_sync.unflatten(payload["flattened_tensor"], payload["metadata"])
+            if payload["flattened_tensor"].device.type == "cpu":
+                # keep the sender's shared memory mapped: it sends the same buffer every sync, which then
+                # unpickles from torch's shared-storage cache (no new mapping, no page faults)
+                self._mapped_bucket = payload["flattened_tensor"].untyped_storage()
         elif load_format in (None, "direct"):
             named = list(payload)
         else:

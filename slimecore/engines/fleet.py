@@ -107,8 +107,10 @@ class EngineFleet:
     def urls(self) -> list[str]:
         return [url for _, url in self.engines]
 
-    def start(self) -> EngineFleet:
-        self.engines = self.lifecycle.start(list(range(self.n)))
+    def start(self, engines: list[tuple[Any, str]] | None = None) -> EngineFleet:
+        """Start the engines (or take ``engines``, ``lifecycle.start`` of every index, already done), then the
+        router in front of them and the monitor."""
+        self.engines = engines if engines is not None else self.lifecycle.start(list(range(self.n)))
         self.router.worker_urls = self.urls
         self.router.start()
         if self.health_check:

@@ -16,7 +16,6 @@ import ray
 from slimecore.config import Config, torch_threads
 from slimecore.engines.fleet import post_update_weights_from_disk
 from slimecore.raytools import ENGINE_GPU_SHARE, bundle_options, ray_get
-from slimecore.trainers.weight_sender import Endpoint
 
 
 class EngineLauncher:
@@ -81,6 +80,10 @@ class EngineLauncher:
         """Stop at once, even a hung engine (its actor cannot answer a polite shutdown)."""
         self.stop(actor, timeout=5)
 
-    def endpoint(self, url: str) -> Endpoint:
+    def endpoint(self, url: str):
+        """The ``slimecore.trainers.weight_sender.Endpoint`` of the engine at ``url`` (imported here: it
+        brings torch, which the rollout manager need not load before it starts the engines)."""
+        from slimecore.trainers.weight_sender import Endpoint
+
         tp_size = self.config.rollout_num_gpus_per_engine if self.config.rollout_engine == "sglang" else 1
         return Endpoint(url, tp_size, self.api_key)

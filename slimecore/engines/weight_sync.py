@@ -78,6 +78,53 @@ def flatten(named: NamedTensors, out: torch.Tensor | None = None) -> tuple[torch
     return flat, metadata
 
 
+def shared_span(named: NamedTensors) -> tuple[torch.Tensor, list[types.SimpleNamespace]] | None:
+    """When every tensor is a contiguous view of one shared-memory CPU storage, in increasing order without
+    overlap (the weights :func:`share_weights` placed): the uint8 span of that storage from the first
+    tensor's start to the last one's end, and metadata giving each tensor's place in it (alignment gaps
+    between tensors are skipped by the offsets, as SGLang's loader reads them). Else None."""
+    first = named[0][1]
+    if first.device.type != "cpu" or not first.untyped_storage().is_shared():
+        return None
+    storage = first.untyped_storage()
+    base = end = first.storage_offset() * first.element_size()
+    metadata = []
+    for name, tensor in named:
+        start = tensor.storage_offset() * tensor.element_size()
+        if tensor.untyped_storage().data_ptr() != storage.data_ptr() or not tensor.is_contiguous() or start < end:
+            return None
+        end = start + tensor.numel() * tensor.element_size()
+        metadata.append(types.SimpleNamespace(name=name, shape=tensor.shape, dtype=tensor.dtype,
+                                              start_idx=start - base, end_idx=end - base, numel=end - start))
+    return torch.empty(0, dtype=torch.uint8).set_(storage, base, (end - base,)), metadata
+
+
+def share_weights(module: torch.nn.Module, align: int = 64) -> int:
+    """Move ``module``'s state-dict tensors (each storage once, in ``state_dict`` order) into one buffer in
+    shared memory, each becoming a view of it; returns the buffer's bytes. The module trains as before
+    (in-place updates write the buffer); a tensor-transport push of these weights then sends spans of
+    the buffer itself (:func:`shared_span`), so the engine's copy into its own parameters is the only copy
+    of a sync. CPU only (a CUDA bucket travels as an IPC handle anyway); call it before an optimizer
+    holds state for the tensors. Each tensor starts on an ``align``-byte boundary."""
+    named = list(unique_tensors(module.state_dict(keep_vars=True).items()))
+    if not named or any(t.device.type != "cpu" for _, t in named):
+        raise ValueError("share_weights needs a module whose weights are all on the CPU")
+    offsets, size = [], 0
+    for _, tensor in named:
+        size = -(-size // align) * align
+        offsets.append(size)
+        size += tensor.numel() * tensor.element_size()
+    flat = torch.empty(size, dtype=torch.uint8)
+    with file_system_sharing():
+        flat.share_memory_()
+    with torch.no_grad():
+        for (_, tensor), start in zip(named, offsets):
+            view = flat[start:start + tensor.numel() * tensor.element_size()].view(tensor.dtype).view(tensor.shape)
+            view.copy_(tensor)
+            tensor.data = view
+    return size
+
+
 def unflatten(flat: torch.Tensor, metadata: Iterable) -> NamedTensors:
     """Views of ``flat`` per metadata entry (SGLang's ``FlattenedTensorBucket.reconstruct_tensors``)."""
     return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in metadata]

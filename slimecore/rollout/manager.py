@@ -30,10 +30,13 @@ log = logging.getLogger("slimecore.rollout")
 
 class RolloutManager:
     def __init__(self, config_dict: dict, placement_group=None, engine_bundles: list[int] | None = None):
+        self.config = config = Config.from_dict(config_dict)
+        self.fleet, self.router, self.client = None, None, None
+        # the engines load their model while this actor loads the plugins, the tokenizer and the data source
+        engines = self._launch_engines(placement_group, engine_bundles) if config.starts_engines else None
         import torch
 
         torch.set_num_threads(1)
-        self.config = config = Config.from_dict(config_dict)
         self.hooks = load_for_config(config)
         self.hooks.slime_startup(config=config, process="rollout")
         from slimecore.hf_checkpoint import load_tokenizer
@@ -43,27 +46,38 @@ class RolloutManager:
                                                         buffer_filter=buffer_filter(self.hooks, config))
         self.sample_hooks = SampleHooks(self.hooks)
         self.loop = asyncio.new_event_loop()
-        self.fleet, self.router, self.client = None, None, None
         self._states: dict[int, dict] = {}  # data-source state after each generated step (for checkpoints)
         self._eval_sources: dict[str, object] = {}
         self._retries_logged = 0
-        if config.starts_engines:
-            self._start_engines(placement_group, engine_bundles)
+        if engines is not None:
+            self._start_engines(engines.result())
 
     # -- engines ---------------------------------------------------------------------------
-    def _start_engines(self, placement_group, engine_bundles) -> None:
-        from slimecore.engines.fleet import EngineFleet
+    def _launch_engines(self, placement_group, engine_bundles):
+        """Start every engine on a thread of its own; the future's result is ``[(handle, url), ...]``."""
+        from concurrent.futures import ThreadPoolExecutor
+
         from slimecore.engines.launch import EngineLauncher
-        from slimecore.engines.router import Router
-        from slimecore.rollout.client import RolloutClient
 
         c = self.config
-        engine_bind, router_bind, self.api_key = engine_hosts(c, placement_group)
+        engine_bind, self.router_bind, self.api_key = engine_hosts(c, placement_group)
         if c.sglang_args and c.rollout_engine != "sglang":
             log.warning("--sglang-* arguments %s apply to --rollout-engine sglang only; the embedded engine "
                         "ignores them", sorted(c.sglang_args))
         self.launcher = EngineLauncher(c, placement_group, engine_bundles, host=engine_bind, api_key=self.api_key,
                                        log_dir=str(Path(c.log_dir) / "engines") if c.log_dir else None)
+        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="slimecore-engine-start")
+        started = pool.submit(self.launcher.start)
+        pool.shutdown(wait=False)  # the thread ends with the start; nothing else runs on it
+        return started
+
+    def _start_engines(self, engines: list) -> None:
+        """The router in front of the started ``engines``, the fleet's monitor, the rollout client."""
+        from slimecore.engines.fleet import EngineFleet
+        from slimecore.engines.router import Router
+        from slimecore.rollout.client import RolloutClient
+
+        c, router_bind = self.config, self.router_bind
         # agent sessions send their id as the router's routing key; the manual policy keeps a key on one engine
         policy = "manual" if self.hooks.implementers("slime_agent") else "round_robin"
         router = Router([], host=router_bind, api_key=self.api_key, policy=policy)
@@ -71,7 +85,7 @@ class RolloutManager:
                                  health_check=c.use_fault_tolerance,
                                  check_interval=c.rollout_health_check_interval,
                                  check_timeout=c.rollout_health_check_timeout,
-                                 first_wait=c.rollout_health_check_first_wait).start()
+                                 first_wait=c.rollout_health_check_first_wait).start(engines)
         self.router = self.fleet.router
         # a request cut off by a dying engine or router is retried until the monitor can have found and replaced
         # it: the client's backoff doubles from 0.2 s to 10 s, so 6 retries span 12 s and each further one 10 s

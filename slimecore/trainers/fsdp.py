@@ -142,6 +142,10 @@ class FSDPBackend:
 
         if self.sharded:
             self._shard()
+        elif self._pushes_from_shared_memory():
+            from slimecore.engines.weight_sync import share_weights
+
+            share_weights(self.model)
         # Taken before any load(), so the reference is the initial checkpoint; each rank keeps its own shards.
         self._reference = None
         if keep_reference and not config.use_lora:  # LoRA's reference is the model with its adapters disabled
@@ -150,6 +154,13 @@ class FSDPBackend:
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
                                            eps=config.adam_eps, weight_decay=config.weight_decay)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
+
+    def _pushes_from_shared_memory(self) -> bool:
+        """Rank 0 of the policy on CPU, whose full weights go to the engines as they are (no LoRA merge): it
+        keeps them in shared memory, so a ``tensor`` push sends them without copying (``weight_sync.share_weights``)."""
+        c = self.config
+        return (self.device.type == "cpu" and self.rank == 0 and not self.is_value and not c.use_lora
+                and c.starts_engines and c.update_weight_transport in ("auto", "tensor"))
 
     def _shard(self) -> None:
         """FSDP2: shard every decoder layer, then the root (embeddings, norm, head). Not run on GPUs here."""

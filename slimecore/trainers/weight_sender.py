@@ -6,7 +6,10 @@ cache flushed by the rollout manager before, and resumed after:
 - ``tensor`` (trainer and engines on one host): per bucket, one flattened tensor in shared memory
   (CPU) or device memory (CUDA IPC), serialised once and posted to every engine's
   ``/update_weights_from_tensor``. The bucket stays alive until every engine has answered, because an
-  engine reads it in place.
+  engine reads it in place. On CPU the fsdp trainer keeps its weights in shared memory
+  (``weight_sync.share_weights``), so a bucket is a span of them and the engine's copy into its own
+  parameters is the only copy; other weights (LoRA-merged, gathered, megatron's) are first copied into
+  one shared buffer kept across syncs.
 - ``distributed``: ``/init_weights_update_group`` on every engine and a rendezvous as rank 0 of a group
   of ``1 + sum(engine TP sizes)`` ranks (gloo on CPU, NCCL on GPU), once per engine set; per bucket,
   ``/update_weights_from_distributed`` on every engine while rank 0 broadcasts the flattened bucket
@@ -104,7 +107,9 @@ class WeightSender:
 
     def _send_tensor(self, bucket: weight_sync.NamedTensors, endpoints: list[Endpoint], version: str) -> int:
         cpu = bucket[0][1].device.type == "cpu"
-        flat, metadata = weight_sync.flatten(bucket, out=self._shared_buffer(bucket) if cpu else None)
+        # weights the trainer keeps in shared memory (weight_sync.share_weights) go as they lie, without a copy
+        flat, metadata = weight_sync.shared_span(bucket) or weight_sync.flatten(
+            bucket, out=self._shared_buffer(bucket) if cpu else None)
         # one payload per engine TP rank: serialising takes one reference to the shared memory and the rank that
         # opens it gives one back, so a payload shared by several ranks would give back more than it took and
         # unlink the kept buffer's file (a later engine, one restarted after a fault, could not open it)
