@@ -39,11 +39,14 @@ StageCallback = Callable[[str, int], None]  # (stage, rollout_id): start generat
 
 
 def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None,
-        on_stage: StageCallback | None = None) -> list[dict]:
-    """Run the whole job; returns the metrics of every step (also written to the run folder, ``--log-dir``)."""
+        on_stage: StageCallback | None = None, roles: list[TrainRole] | None = None) -> list[dict]:
+    """Run the whole job; returns the metrics of every step (also written to the run folder, ``--log-dir``).
+    ``roles``: given by a caller that declared them and ran ``check_before_ray`` already (the CLI does, before
+    importing this module)."""
     finalize(config, hooks)
-    roles = declared_roles(config, hooks)
-    check_before_ray(config, hooks)
+    if roles is None:
+        roles = declared_roles(config, hooks)
+        check_before_ray(config, hooks, roles)
     job = Job(config, hooks, roles, on_step, on_stage)
     completed = interrupted = False
     try:
