@@ -47,25 +47,29 @@ class WeightRepush:
         return self
 
     def _serve(self) -> None:
-        try:
-            while not self._stop.is_set():
-                self.serve_once()
-        except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which ends the run with it
-            if self._stop.is_set():
-                return  # the run is ending: its actors may be gone already
-            log.error("pushing the weights again to restarted engines failed: %s", exc)
-            self.error = exc
-            _thread.interrupt_main()
+        while not self._stop.is_set():
+            try:
+                endpoints = ray_get(self.rollout.repush_request.options(concurrency_group=REPUSH).remote(POLL_SECONDS),
+                                    "the rollout manager's request to push weights again", self.config.ray_timeout)
+            except Exception as exc:  # noqa: BLE001 - the manager is gone: the main thread meets that itself
+                log.debug("stopped serving pushes again: %s", exc)
+                return
+            if endpoints and not self._stop.is_set():
+                try:
+                    self.push(endpoints)
+                except BaseException as exc:  # noqa: BLE001 - handed to the main thread, which ends the run with it
+                    if self._stop.is_set():
+                        return  # the run is ending: its actors may be gone already
+                    log.error("pushing the weights again to restarted engines failed: %s", exc)
+                    self.error = exc
+                    _thread.interrupt_main()
+                    return
 
-    def serve_once(self) -> None:
-        wait = self.config.ray_timeout
-        endpoints = ray_get(self.rollout.repush_request.options(concurrency_group=REPUSH).remote(POLL_SECONDS),
-                            "the rollout manager's request to push weights again", wait)
-        if not endpoints or self._stop.is_set():
-            return
+    def push(self, endpoints: list) -> None:
+        """The trainers push the weights they hold to ``endpoints``; the fleet admits the engines serving them."""
         version = self.train.push_held_weights(endpoints, resolve_transport(self.config, endpoints))
         ray_get(self.rollout.repushed.options(concurrency_group=REPUSH).remote(version),
-                f"the restarted engines to take the weights v{version}", wait)
+                f"the restarted engines to take the weights v{version}", self.config.ray_timeout)
         log.warning("the trainers pushed their weights v%s again to %s", version, [e.url for e in endpoints])
 
     def stop(self) -> None:

@@ -123,17 +123,21 @@ def test_two_sharded_train_ranks_push_again_to_a_restarted_engine(tiny_checkpoin
     assert "the trainers pushed their weights v1 again" in text, text[-8000:]
 
 
-def test_a_rank_hung_in_the_push_again_fails_the_run_naming_ranks_and_stage(tiny_checkpoint, tmp_path):
-    """Rank 1 hangs in the push again (its second push; the first is the start-up sync), rank 0 waits for it
-    in the gather: the run ends after --train-timeout with one message naming both ranks and the stage."""
+@pytest.mark.parametrize("push, stage", [
+    (1, "the weight sync (pushing weights v0 to 1 engine(s))"),  # the start-up sync
+    (2, "pushing the weights again to the restarted engine(s) ['http://127.0.0.1:"),  # after the engine kill
+])
+def test_a_rank_hung_in_a_weight_push_fails_the_run_naming_ranks_and_stage(push, stage, tiny_checkpoint, tmp_path):
+    """Rank 1 hangs in a weight push, rank 0 waits for it in the gather: the run ends after --train-timeout
+    with one message naming both ranks and the stage, and the ranks' stacks in the log."""
     args = _sharded_fully_async_args(tiny_checkpoint, tmp_path / "run", tmp_path / "faults.jsonl",
-                                     "--hang-push", "2", "--train-timeout", "20")
+                                     "--hang-push", str(push), "--train-timeout", "20")
     start = time.monotonic()
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout(480))
     elapsed = time.monotonic() - start
     assert proc.returncode == 1, proc.stderr[-8000:]
     last = " ".join(proc.stderr[proc.stderr.rindex("\nerror:"):].split())
-    assert "actor rank(s) [0, 1] of 2 hung in pushing the weights again to the restarted engine(s) " \
-           "['http://127.0.0.1:" in last and "no answer after 20s (--train-timeout)" in last, proc.stderr[-8000:]
+    assert f"actor rank(s) [0, 1] of 2 hung in {stage}" in last, proc.stderr[-8000:]
+    assert "no answer after 20s (--train-timeout)" in last, proc.stderr[-8000:]
     assert "Timeout (0:00:18)!" in proc.stderr and "shard_plugin.py" in proc.stderr  # the hung rank's stack
     assert elapsed < timeout(300), elapsed

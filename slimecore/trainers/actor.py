@@ -112,6 +112,10 @@ class TrainActor:
     def push_weights(self, endpoints: list, version: int, transport: str) -> dict[str, float] | None:
         """Send the weights to the engines (``slimecore.trainers.weight_sender``); rank 0 sends and returns
         its figures, the other ranks only take part in gathering sharded weights."""
+        with self._watchdog():
+            return self._push_weights(endpoints, version, transport)
+
+    def _push_weights(self, endpoints: list, version: int, transport: str) -> dict[str, float] | None:
         self.weights_version = int(version)
         buckets = self.backend.hf_weight_buckets(self.config.update_weight_buffer_size)
         if self.rank != 0:
@@ -129,8 +133,7 @@ class TrainActor:
         """Push the weights held now to engines restarted since the last push, labelled with the version they
         are: the run may have trained a step since that push (the async loops), so its version would be one
         behind them. Returns that version (``slimecore.weight_repush``)."""
-        with self._watchdog():
-            self.push_weights(endpoints, self.weights_version, transport)
+        self.push_weights(endpoints, self.weights_version, transport)
         return self.weights_version
 
     def offload(self) -> None:
@@ -277,9 +280,9 @@ class TrainGroup:
 
     def push_weights(self, endpoints: list, version: int, transport: str) -> dict[str, float]:
         """Rank 0 sends the weights straight to the engines (every rank takes part); its figures."""
-        results = self._all("push_weights", endpoints, version, transport,
-                            what=f"{self.role} rank 0 to push weights v{version} to {len(endpoints)} engine(s)")
-        return results[0]
+        with self._order:
+            refs = [a.push_weights.remote(endpoints, version, transport) for a in self.actors]
+        return self._wait(refs, f"the weight sync (pushing weights v{version} to {len(endpoints)} engine(s))")[0]
 
     def push_held_weights(self, endpoints: list, transport: str) -> int:
         """Rank 0 sends the weights held now to ``endpoints`` (every rank takes part); the version they are.
