@@ -84,18 +84,26 @@ def train(ctx):
         console.print(f"{config.recommended_by}: using its quick-start settings {settings} (set any flag to override)")
     hooks.slime_startup(config=config, process="driver")
     from slimecore.display import RunDisplay
-    from slimecore.loop import run
+    from slimecore.preflight import check_before_ray
     from slimecore.runs import create_run_dir
+    from slimecore.trainers.roles import declared_roles
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # other libraries: warnings only
     logging.getLogger("slimecore").setLevel(config.log_level.upper())
     run_dir = create_run_dir(config)
+    try:  # before the loop's imports (Ray and the rest): a bad input fails within seconds
+        roles = declared_roles(config, hooks)
+        check_before_ray(config, hooks, roles)
+    except (ConfigError, PluginError) as exc:
+        _fail(exc)
+    from slimecore.loop import run
+
     console.print(f"run folder: {run_dir} (config.yaml replays this run: slime-core train --config "
                   f"{run_dir / 'config.yaml'})", highlight=False)
     display = RunDisplay(console, config.num_rollout, config.log_level)
     try:
         with display:
-            run(config, hooks, on_step=display.step, on_stage=display.stage)
+            run(config, hooks, on_step=display.step, on_stage=display.stage, roles=roles)
     except KeyboardInterrupt as exc:
         name = str(exc) or "SIGINT"
         console.print(f"[bold red]interrupted ({name}):[/] the step in flight was abandoned; engines, router and "

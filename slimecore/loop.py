@@ -31,6 +31,7 @@ from slimecore.rollout.manager import RolloutManager
 from slimecore.tracking import Tracker
 from slimecore.trainers.actor import RoleGroups
 from slimecore.trainers.roles import TrainRole, declared_roles
+from slimecore.weight_repush import REPUSH, WeightRepush
 
 log = logging.getLogger("slimecore.loop")
 StepCallback = Callable[[int, int, dict], None]
@@ -38,11 +39,14 @@ StageCallback = Callable[[str, int], None]  # (stage, rollout_id): start generat
 
 
 def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None,
-        on_stage: StageCallback | None = None) -> list[dict]:
-    """Run the whole job; returns the metrics of every step (also written to the run folder, ``--log-dir``)."""
+        on_stage: StageCallback | None = None, roles: list[TrainRole] | None = None) -> list[dict]:
+    """Run the whole job; returns the metrics of every step (also written to the run folder, ``--log-dir``).
+    ``roles``: given by a caller that declared them and ran ``check_before_ray`` already (the CLI does, before
+    importing this module)."""
     finalize(config, hooks)
-    roles = declared_roles(config, hooks)
-    check_before_ray(config, hooks)
+    if roles is None:
+        roles = declared_roles(config, hooks)
+        check_before_ray(config, hooks, roles)
     job = Job(config, hooks, roles, on_step, on_stage)
     completed = interrupted = False
     try:
@@ -55,6 +59,8 @@ def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None,
         completed = True
     except KeyboardInterrupt:  # SIGINT, or SIGTERM through _interrupt
         interrupted = True
+        if job.repush is not None and job.repush.error is not None:  # it interrupted the main thread
+            raise job.repush.error from None
         raise
     finally:
         job.close(completed, interrupted)
@@ -105,7 +111,8 @@ class Job:
         self.previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) or signal.SIG_DFL
         self.tracker = Tracker(config, [f"{p.name} ({p.origin})" for p in hooks.plugins])
         self.pg, train_bundles, engine_bundles = create_placement(config, [role.name for role in roles])
-        self.rollout = ray.remote(RolloutManager).options(num_cpus=0).remote(config.to_dict(), self.pg, engine_bundles)
+        self.rollout = ray.remote(num_cpus=0, concurrency_groups={REPUSH: 1})(RolloutManager).remote(
+            config.to_dict(), self.pg, engine_bundles)
         # the train ranks load while the manager starts its engines and router: neither waits for the other
         self.trainers = None if config.debug_rollout_only else RoleGroups(config, roles, self.pg, train_bundles)
         ray_get(self.rollout.__ray_ready__.remote(), "the rollout manager (engines, router, data source) to start",
@@ -118,6 +125,9 @@ class Job:
         self.num_rollout = config.num_rollout
         self.engines_live = config.starts_engines
         self.final_model = None
+        self.repush = None  # the trainers' push again to engines restarted while none served their weights
+        if self.trainers and self.engines_live and config.use_fault_tolerance:
+            self.repush = WeightRepush(config, self.trainers.actor, self.rollout).start()
 
     def request(self, rollout_id: int):
         """Start generating ``rollout_id`` (None past the last step); ``ray_get`` it for (refs, metrics)."""
@@ -188,6 +198,8 @@ class Job:
 
     def close(self, completed: bool, interrupted: bool) -> None:
         signal.signal(signal.SIGTERM, self.previous_sigterm)
+        if self.repush is not None:
+            self.repush.stop()
         if interrupted:  # abandon the step in flight: the actors may be busy with it, so they are killed, not asked
             for actor in [self.rollout, *(a for group in self.groups.values() for a in group.actors)]:
                 ray.kill(actor)  # engines are owned by the manager and die with it, the router with its process

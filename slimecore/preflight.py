@@ -1,11 +1,12 @@
 """Checks made in the driver before Ray starts, so bad input fails in seconds with one message instead of
 inside an actor minutes later: the hooks' signatures, ``--hf-checkpoint``, the prompt and eval files, the
-reward type of your own data, ``--load`` against the model, ``--save`` and ``--log-dir``. Once Ray is up,
-``slimecore.raytools.check_placement`` compares what the run asks for with what the cluster has.
+reward type of your own data, ``--load`` against the model, ``--save`` and ``--log-dir``, and the placement
+of a run that starts its own Ray instance without GPUs. On a cluster it joins (or with GPUs),
+``slimecore.raytools.check_placement`` compares what the run asks for with what the cluster has once Ray is up.
 
 Each check raises ``ConfigError`` (or ``PluginError`` for a plugin) whose message names the file, row, key,
-flag or plugin and says what to do. ``check_before_ray`` runs them all; the CLI and ``slimecore.loop.run``
-call it.
+flag or plugin and says what to do. ``check_before_ray`` runs them all; the CLI calls it before importing the
+loop (Ray and the rest), ``slimecore.loop.run`` when its caller did not.
 """
 
 from __future__ import annotations
@@ -21,17 +22,38 @@ ROWS_RENDERED = 16  # rows whose chat template is rendered in the driver (the ke
 LOCK_FILE = ".slimecore-run.pid"
 
 
-def check_before_ray(config: Config, hooks: Hooks) -> None:
+def check_before_ray(config: Config, hooks: Hooks, roles: list) -> None:
+    """Every check, the ones that read only small files first, so their errors come before the model's files
+    are opened (transformers and a meta-device model: the slowest check). ``roles``: the declared training
+    roles (``slimecore.trainers.roles.declared_roles``), whose ranks the placement must hold."""
     check_hook_signatures(hooks)
-    tokenizer = check_hf_checkpoint(config)
-    check_prompt_files(config, hooks, tokenizer)
-    check_reward_type(config, hooks)
-    if config.load:
-        check_load(config)
     if config.save:
         check_writable(config.save, "--save")
     check_writable(config.log_dir, "--log-dir")
+    files = check_prompt_files(config, hooks)
+    check_reward_type(config, hooks)
+    check_local_placement(config, roles)
+    tokenizer = check_hf_checkpoint(config)
+    render_prompts(config, tokenizer, files)
+    if config.load:
+        check_load(config)
     claim_log_dir(config.log_dir)
+
+
+def check_local_placement(config: Config, roles: list) -> None:
+    """A run that starts its own Ray instance gets this machine's CPUs (``raytools.init_ray``): without GPUs its
+    placement is known before Ray starts, and one the machine cannot hold fails here instead of after
+    ``ray.init``. On GPUs and on a cluster it joins, ``create_placement`` checks it once Ray is up."""
+    from slimecore.raytools import check_placement, cpu_bundles, joins_cluster, local_cpus
+
+    if joins_cluster(config):
+        return
+    import torch
+
+    if torch.cuda.device_count() > 0:
+        return
+    bundles, _, _, what = cpu_bundles(config, [role.name for role in roles])
+    check_placement(bundles, what, nodes=[{"CPU": float(local_cpus())}])
 
 
 def check_hook_signatures(hooks: Hooks) -> None:
@@ -53,7 +75,6 @@ def check_hf_checkpoint(config: Config):
     """``config.json`` loads, the weights match it (names and shapes), the tokenizer loads; returns the tokenizer."""
     from transformers import AutoConfig
 
-    from slimecore.convert import ConvertError, check_hf_weights
     from slimecore.hf_checkpoint import load_tokenizer
 
     path = Path(config.hf_checkpoint)
@@ -74,6 +95,8 @@ def check_hf_checkpoint(config: Config):
             raise ConfigError(f"--hf-checkpoint {path}: {index.name} lists {len(missing)} shard(s) that are not there "
                               f"({', '.join(missing[:3])}); copy the missing files")
     if any(path.glob("*.safetensors")):
+        from slimecore.convert import ConvertError, check_hf_weights
+
         try:
             check_hf_weights(path, hf_config)
         except ConvertError as exc:
@@ -92,11 +115,12 @@ def _uses_default(hooks: Hooks, hook: str) -> bool:
     return hooks.is_default(hooks.answerer(hook))
 
 
-def check_prompt_files(config: Config, hooks: Hooks, tokenizer) -> None:
+def check_prompt_files(config: Config, hooks: Hooks) -> list[tuple[str, list, str, str | None, bool]]:
     """The prompt file (when the built-in data source reads it) and every eval file: they exist and parse, the
-    slice selects rows, every row has the keys and well-formed chat messages; the first rows are rendered."""
+    slice selects rows, every row has the keys and well-formed chat messages. Returns, per file, what
+    ``render_prompts`` needs: (spec, rows, input key, label key, apply chat template)."""
     from slimecore.data.dataset import DataError, parse_row, read_rows
-    from slimecore.data.source import TASK_PREFIX, prompts_from_rows
+    from slimecore.data.source import TASK_PREFIX
     from slimecore.rollout.evaluation import eval_datasets
 
     files = []
@@ -108,12 +132,26 @@ def check_prompt_files(config: Config, hooks: Hooks, tokenizer) -> None:
                 c = dataset.apply(config)
                 files.append((dataset.path, c.eval_input_key or c.input_key, c.eval_label_key or c.label_key,
                               config.apply_chat_template))
+    checked = []
     for spec, input_key, label_key, chat in files:
         try:
             rows = read_rows(spec)
             for where, row in rows:
                 parse_row(where, row, input_key=input_key, label_key=label_key, metadata_key=config.metadata_key,
                           tool_key=config.tool_key, apply_chat_template=chat)
+        except DataError as exc:
+            raise ConfigError(str(exc)) from None
+        checked.append((spec, rows, input_key, label_key, chat))
+    return checked
+
+
+def render_prompts(config: Config, tokenizer, files: list[tuple[str, list, str, str | None, bool]]) -> None:
+    """The first rows of each checked file rendered into prompts (the chat template, the tokenizer)."""
+    from slimecore.data.dataset import DataError
+    from slimecore.data.source import prompts_from_rows
+
+    for spec, rows, input_key, label_key, chat in files:
+        try:
             prompts_from_rows(config, tokenizer, rows[:ROWS_RENDERED], spec, input_key=input_key,
                               label_key=label_key, apply_chat_template=chat)
         except DataError as exc:

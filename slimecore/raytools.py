@@ -40,16 +40,25 @@ def init_ray(config: Config) -> None:
     for key, value in env.items():
         os.environ.setdefault(key, value)
     runtime_env = {"env_vars": {k: os.environ[k] for k in set(env) - _job_env_vars()}}
-    address = config.ray_address or os.environ.get("RAY_ADDRESS")
-    if address:
+    if joins_cluster(config):
+        address = config.ray_address or os.environ["RAY_ADDRESS"]
         ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
         nodes = [n for n in ray.nodes() if n["Alive"]]
         log.info("joined the Ray cluster at %s: %d node(s), %s", address, len(nodes),
                  {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
         return
-    ray.init(num_cpus=max(2, os.cpu_count() or 2), include_dashboard=False, log_to_driver=True,
+    ray.init(num_cpus=local_cpus(), include_dashboard=False, log_to_driver=True,
              object_store_memory=int(os.environ.get("SLIMECORE_OBJECT_STORE_BYTES", 2 * 1024**3)),
              runtime_env=runtime_env)
+
+
+def local_cpus() -> int:
+    """The CPUs of the Ray instance a run starts itself (no ``--ray-address`` / ``RAY_ADDRESS``)."""
+    return max(2, os.cpu_count() or 2)
+
+
+def joins_cluster(config: Config) -> bool:
+    return bool(config.ray_address or os.environ.get("RAY_ADDRESS"))
 
 
 def _job_env_vars() -> set[str]:
@@ -73,6 +82,21 @@ def create_placement(config: Config, roles: list[str] = ("actor",)):
     """
     if cluster_gpus() > 0:
         return gpu_placement(config, roles)
+    bundles, train, engines, what = cpu_bundles(config, roles)
+    check_placement(bundles, what)
+    pg = placement_group(bundles, strategy="PACK")
+    _wait_placement(pg, bundles, config)
+    nodes = bundle_nodes(pg)
+    if len(set(nodes)) > 1:
+        train = {role: sorted(indices, key=lambda i: (nodes[i], i)) for role, indices in train.items()}
+        engines = sorted(engines, key=lambda i: (nodes[i], i))
+        log.info("placement over %d nodes: %s", len(set(nodes)),
+                 {role: [nodes[i][0] for i in indices] for role, indices in {**train, "engines": engines}.items()})
+    return pg, train, engines
+
+
+def cpu_bundles(config: Config, roles: list[str]) -> tuple[list[dict], dict[str, list[int]], list[int], str]:
+    """Without GPUs: the bundles, {role: train bundle indices}, the engine bundle indices, and what they hold."""
     c = config
     n_train = 0 if c.debug_rollout_only else c.actor_num_nodes * c.actor_num_gpus_per_node
     no_engines = not c.starts_engines
@@ -88,16 +112,7 @@ def create_placement(config: Config, roles: list[str] = ("actor",)):
         bundles = [train_bundle] * (n_train * len(roles)) + [engine_bundle] * n_engines
         train = {role: list(range(k * n_train, (k + 1) * n_train)) for k, role in enumerate(roles)}
         engines = list(range(n_train * len(roles), len(bundles)))
-    check_placement(bundles, f"{n_train} train rank(s) x {len(roles)} role(s) and {n_engines} engine(s)")
-    pg = placement_group(bundles, strategy="PACK")
-    _wait_placement(pg, bundles, c)
-    nodes = bundle_nodes(pg)
-    if len(set(nodes)) > 1:
-        train = {role: sorted(indices, key=lambda i: (nodes[i], i)) for role, indices in train.items()}
-        engines = sorted(engines, key=lambda i: (nodes[i], i))
-        log.info("placement over %d nodes: %s", len(set(nodes)),
-                 {role: [nodes[i][0] for i in indices] for role, indices in {**train, "engines": engines}.items()})
-    return pg, train, engines
+    return bundles, train, engines, f"{n_train} train rank(s) x {len(roles)} role(s) and {n_engines} engine(s)"
 
 
 # -- GPUs ------------------------------------------------------------------------------------------
@@ -192,10 +207,14 @@ def spans_nodes(pg) -> bool:
     return pg is not None and len({node for _, node in bundle_nodes(pg)}) > 1
 
 
-def check_placement(bundles: list[dict], what: str) -> None:
-    """The placement group's total demand against ``ray.cluster_resources()``: a run the cluster cannot hold
-    fails at once naming the resource, instead of waiting for a placement that never comes."""
-    have = ray.cluster_resources()
+def check_placement(bundles: list[dict], what: str, nodes: list[dict] | None = None) -> None:
+    """The placement group's total demand against the cluster's resources (``nodes``: each node's, by default
+    the running cluster's): a run the cluster cannot hold fails at once naming the resource, instead of
+    waiting for a placement that never comes."""
+    have = ray.cluster_resources() if nodes is None else {}
+    for node in nodes or []:
+        for resource, amount in node.items():
+            have[resource] = have.get(resource, 0.0) + amount
     need: dict[str, float] = {}
     for bundle in bundles:
         for resource, amount in bundle.items():
@@ -205,7 +224,8 @@ def check_placement(bundles: list[dict], what: str) -> None:
         lines = ", ".join(f"{n:g} {r} (the cluster has {have.get(r, 0.0):g})" for r, n in short.items())
         raise ConfigError(f"the cluster cannot hold this run: {what} need {lines}. Lower --num-cpus-per-actor or the "
                           "number of ranks/engines (--actor-num-gpus-per-node, --rollout-num-gpus), or add nodes")
-    nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
+    if nodes is None:
+        nodes = [node["Resources"] for node in ray.nodes() if node.get("Alive")]
     for bundle in bundles:
         if nodes and not any(all(node.get(r, 0.0) + 1e-9 >= n for r, n in bundle.items()) for node in nodes):
             raise ConfigError(f"the cluster cannot hold this run: one bundle needs {bundle} on a single node and no "

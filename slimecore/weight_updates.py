@@ -44,8 +44,7 @@ def sync_weights(config: Config, train, rollout, version: int) -> float:
     ray_get(rollout.pause_for_update.remote(), "the engines to pause and flush before a weight update", wait)
     transport = resolve_transport(config, endpoints)
     figures = train.push_weights(endpoints, version, transport)
-    ray_get(rollout.resume_after_update.remote(version, train.actors, transport), "the engines to continue generating",
-            wait)
+    ray_get(rollout.resume_after_update.remote(version, True), "the engines to continue generating", wait)
     return figures["seconds"]
 
 

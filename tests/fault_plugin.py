@@ -4,8 +4,10 @@ killer would, from inside the rollout process of a real run.
 ``--fault-at STEP:KIND ...`` with KIND ``engine-kill`` (SIGKILL the first engine the router lists),
 ``engine-stop`` (SIGSTOP it: alive but hung) or ``router-kill`` (SIGKILL the sglang-router). At that step
 the first sample's generate waits a moment, so that the other samples' requests are in flight, injects the
-fault, then generates as the built-in hook does. ``--fault-log FILE`` gets one JSON line per fault and per
-generated sample (its step and the weight versions that produced it).
+fault, then generates as the built-in hook does. ``--fault-log FILE`` gets one JSON line per fault, per
+generated sample (its step and the weight versions that produced it) and per trained sample (the weight version
+it is labelled with, and how far the engine's log-probs are from the trainer's, whose weights are the version
+of the step it trains at: a label is true when these agree exactly for the step's version only).
 """
 
 from __future__ import annotations
@@ -75,6 +77,19 @@ def slime_log_rollout(config, rollout_id):
 def slime_process_sample(config, sample, rollout_id, evaluation):
     if config.plugin("fault_plugin").fault_log:
         _log(config, {"rollout_id": rollout_id, "weight_versions": list(sample.weight_versions)})
+
+
+@hookimpl
+def slime_train_inputs(config, role):
+    return ["log_probs"] if config.plugin("fault_plugin").fault_log else []
+
+
+@hookimpl
+def slime_rollout_data_postprocess(config, rollout_id, batch):
+    if not config.plugin("fault_plugin").fault_log:
+        return
+    for label, trained, engine in zip(batch["weight_versions"], batch["log_probs"], batch["rollout_log_probs"]):
+        _log(config, {"trained_at": rollout_id, "label": label, "logprob_diff": float((trained - engine).abs().max())})
 
 
 @hookimpl

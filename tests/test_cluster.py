@@ -173,3 +173,19 @@ def test_ray_job_submit_as_in_the_readme(two_node_cluster, tiny_checkpoint, tmp_
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert "succeeded" in proc.stdout
     assert _steps(tmp_path / "job") == [0, 1]
+
+
+def test_a_placement_the_joined_cluster_cannot_hold_fails_at_once(two_node_cluster, tiny_checkpoint, tmp_path):
+    """On a cluster it joins, the run checks its placement once Ray is up (the cluster's resources are known
+    only then): one message naming the resource, within seconds of joining, instead of a placement wait."""
+    args = _train_args(tiny_checkpoint, tmp_path / "run")
+    args[0:1] = [sys.executable, "-m", "slimecore_cli"]
+    start = time.monotonic()
+    proc = subprocess.run([*args, "--ray-address", two_node_cluster["address"], "--rollout-resources",
+                           '{"rollout": 3}'], capture_output=True, text=True, timeout=timeout(120), env=_env())
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    last = " ".join(proc.stderr[proc.stderr.rindex("\nerror:"):].split())
+    assert "the cluster cannot hold this run" in last and "need 3 rollout (the cluster has 2)" in last, last
+    assert "Traceback" not in proc.stderr
+    assert elapsed < timeout(30), elapsed

@@ -7,8 +7,10 @@ had pushed for its step, with the default weight transport (a push from train ra
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,3 +62,87 @@ def test_run_survives_engine_kill_engine_hang_and_router_kill(tiny_checkpoint, t
     assert len(samples) == 4 * 8
     assert all(r["weight_versions"] and set(r["weight_versions"]) == {str(r["rollout_id"])} for r in samples), samples
     assert "restarting it" in text and "starting it again on port" in text
+
+
+def test_fully_async_engine_restart_serves_the_trainers_weights_under_their_own_version(tiny_checkpoint, tmp_path):
+    """One engine, killed mid-rollout in a ``--fully-async`` run: no engine serves the pushed weights, so the
+    driver has the trainers push again while they train the step before (slimecore.weight_repush). The weights
+    they hold then are one update newer than the last push, and the engine must serve them under that version:
+    every trained sample's label is checked against the weights that generated it (the engine's log-probs equal
+    the trainer's exactly for the step's own version, and differ for older ones)."""
+    log_dir, fault_log = tmp_path / "run", tmp_path / "faults.jsonl"
+    # a dense reward, so that every step changes the weights (the task's 0/1 reward gives no gradient here)
+    args = [sys.executable, "-m", "slimecore_cli", "train", "--plugin", "grpo", "--plugin", str(HERE / "fault_plugin.py"),
+            "--plugin", str(HERE / "digits_reward_plugin.py"), "--hf-checkpoint", str(tiny_checkpoint), "--task",
+            "compare", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "24",
+            "--rollout-num-gpus", "1",
+            "--fully-async", "--num-rollout", "4", "--lr", "5e-3", "--log-dir", str(log_dir), "--no-use-tensorboard",
+            "--rollout-health-check-interval", "1", "--rollout-health-check-timeout", f"{timeout(5):g}",
+            "--fault-at", "2:engine-kill", "--fault-log", str(fault_log)]
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout(420))
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-8000:]
+    records = [json.loads(line) for line in fault_log.read_text().splitlines()]
+    assert [r["fault"] for r in records if "fault" in r] == ["engine-kill"]
+    steps = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 4 and sum(m["rollout/engine_restarts"] for m in steps) >= 1
+    # pushed by the trainers after they trained a step since the last push (usually step 1, so the weights of
+    # version 2, labelled 2 and not 1; a kill that comes while the next step's groups were already being
+    # generated shifts this by one)
+    again = re.search(r"the trainers pushed their weights v(\d+) again", text)
+    assert again, text[-8000:]
+    trained = [r for r in records if "trained_at" in r]
+    assert len(trained) == 4 * 8
+    for r in trained:  # the trainer training step N holds version N
+        if r["label"] == str(r["trained_at"]):
+            assert r["logprob_diff"] < 1e-3, r
+        else:
+            assert int(r["label"]) < r["trained_at"] and r["logprob_diff"] > 1e-3, r
+    # the samples the restarted engine generated on the weights pushed again, trained at the step of that version
+    version = int(again.group(1))
+    assert any(r["trained_at"] == version and r["label"] == str(version) for r in trained), (version, trained)
+
+
+def _sharded_fully_async_args(checkpoint, log_dir: Path, fault_log: Path, *extra: str) -> list[str]:
+    """Two train ranks whose weights are sharded (gathering them for a push is a collective), one engine that
+    is killed at step 1 of a ``--fully-async`` run."""
+    return [sys.executable, "-m", "slimecore_cli", "train", "--plugin", "grpo", "--plugin", str(HERE / "fault_plugin.py"),
+            "--plugin", str(HERE / "shard_plugin.py"), "--hf-checkpoint", str(checkpoint), "--task", "compare",
+            "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "16",
+            "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "2", "--fully-async", "--num-rollout", "3",
+            "--lr", "1e-4", "--log-dir", str(log_dir), "--no-use-tensorboard", "--rollout-health-check-interval", "1",
+            "--rollout-health-check-timeout", f"{timeout(5):g}", "--fault-at", "1:engine-kill",
+            "--fault-log", str(fault_log), *extra]
+
+
+def test_two_sharded_train_ranks_push_again_to_a_restarted_engine(tiny_checkpoint, tmp_path):
+    """The push again that brings the engine back comes from the driver, in the order of the driver's other
+    calls on every rank (slimecore.weight_repush), and the run finishes."""
+    log_dir = tmp_path / "run"
+    proc = subprocess.run(_sharded_fully_async_args(tiny_checkpoint, log_dir, tmp_path / "faults.jsonl"),
+                          capture_output=True, text=True, timeout=timeout(480))
+    text = proc.stdout + proc.stderr
+    assert proc.returncode == 0, text[-8000:]
+    steps = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
+    assert len(steps) == 3 and sum(m["rollout/engine_restarts"] for m in steps) >= 1
+    assert re.search(r"the trainers pushed their weights v\d+ again", text), text[-8000:]
+
+
+@pytest.mark.parametrize("push, stage", [
+    (1, "the weight sync (pushing weights v0 to 1 engine(s))"),  # the start-up sync
+    (2, "pushing the weights again to the restarted engine(s) ['http://127.0.0.1:"),  # after the engine kill
+])
+def test_a_rank_hung_in_a_weight_push_fails_the_run_naming_ranks_and_stage(push, stage, tiny_checkpoint, tmp_path):
+    """Rank 1 hangs in a weight push, rank 0 waits for it in the gather: the run ends after --train-timeout
+    with one message naming both ranks and the stage, and the ranks' stacks in the log."""
+    args = _sharded_fully_async_args(tiny_checkpoint, tmp_path / "run", tmp_path / "faults.jsonl",
+                                     "--hang-push", str(push), "--train-timeout", "20")
+    start = time.monotonic()
+    proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout(480))
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-8000:]
+    last = " ".join(proc.stderr[proc.stderr.rindex("\nerror:"):].split())
+    assert f"actor rank(s) [0, 1] of 2 hung in {stage}" in last, proc.stderr[-8000:]
+    assert "no answer after 20s (--train-timeout)" in last, proc.stderr[-8000:]
+    assert "Timeout (0:00:18)!" in proc.stderr and "shard_plugin.py" in proc.stderr  # the hung rank's stack
+    assert elapsed < timeout(300), elapsed

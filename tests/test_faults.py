@@ -111,6 +111,10 @@ BEFORE_RAY = {
     "--num-rollout 0": (lambda t, c: ["--num-rollout", "0"], ["--num-rollout must be >= 1"]),
     "own data without --rm-type": (lambda t, c: ["--prompt-data", _jsonl(t / "d.jsonl", ROWS), "--label-key", "label"],
                                    ["line 1: no reward type for your own data", "Set --rm-type", "rm_type"]),
+    # a run that starts its own Ray instance on a machine without GPUs: its placement is known before Ray starts
+    "placement the machine cannot hold": (lambda t, c: ["--num-cpus-per-actor", "4096"],
+                                          ["the cluster cannot hold this run", "need 8192 CPU (the cluster has",
+                                           "Lower --num-cpus-per-actor"]),
 }
 
 
@@ -167,9 +171,6 @@ IN_RUN = {
         ["driver_only.py' (file", "failed to import: ImportError: No module named 'gpu_only_dep'",
          # the rollout manager and the train ranks start side by side: whichever imports the plugin first reports
          "Fix the error in the plugin", ("process RolloutManager.__init__", "process TrainActor.__init__")]),
-    "placement the cluster cannot hold": (
-        lambda t: ["--num-cpus-per-actor", "64"],
-        ["the cluster cannot hold this run", "CPU (the cluster has", "Lower --num-cpus-per-actor"]),
 }
 
 

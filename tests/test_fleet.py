@@ -106,16 +106,31 @@ def test_a_restarted_engine_waits_for_a_push_that_reaches_it(ray_session, fleet)
 
 def test_with_no_engine_on_the_pushed_weights_the_trainers_push_again(ray_session, fleet):
     """The case of one engine, or of every engine failing before the next push (a rollout waits for engines,
-    so no push would come): the restarted engines get the pushed weights from the trainers at once."""
-    pushed_again = []
-    fleet.push_source = lambda urls, version: (pushed_again.append((list(urls), version)),
-                                               _push(fleet, version, urls))
+    so no push would come): the fleet asks for a push again (``repush_request``, served by the driver in a run,
+    slimecore.weight_repush); the trainers push the weights they hold, which may be a version newer than the
+    last push (they trained a step since), and the engines go back in serving that version."""
+    fleet.trainers_push = True
+    assert fleet.repush_request(0.1) == []  # nothing asked while the engines serve the pushed weights
     _push(fleet, "1", fleet.urls)
     fleet.admit_pushed("1")
     old = list(fleet.urls)
     for handle, _ in fleet.engines:
         os.kill(_pid(ray_session, handle), signal.SIGKILL)
-    _wait_for(lambda: set(old).isdisjoint(fleet.urls) and sorted(fleet.router.list_workers()) == sorted(fleet.urls),
-              timeout(240), "both engines back in the router")
-    assert [fleet.served_version(url) for url in fleet.urls] == ["1", "1"]
-    assert pushed_again and all(version == "1" for _, version in pushed_again), pushed_again
+    asked: list[list[str]] = []
+
+    def driver() -> bool:  # what WeightRepush does: the trainers hold v2 now
+        urls = fleet.repush_request(0.1)
+        if urls:
+            asked.append(urls)
+            _push(fleet, "2", urls)
+            fleet.repushed("2")
+        return set(old).isdisjoint(fleet.urls) and sorted(fleet.router.list_workers()) == sorted(fleet.urls)
+
+    _wait_for(driver, timeout(240), "both engines back in the router")
+    assert [fleet.served_version(url) for url in fleet.urls] == ["2", "2"]
+    assert asked and all(set(urls) <= set(fleet.urls) for urls in asked[-1:]), asked
+    # a push again that a regular push overtook (v3 reached every engine first) changes nothing
+    _push(fleet, "3", fleet.urls)
+    fleet.admit_pushed("3")
+    fleet.repushed("2")
+    assert sorted(fleet.router.list_workers()) == sorted(fleet.urls)

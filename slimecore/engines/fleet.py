@@ -19,13 +19,12 @@ the version just pushed (``weight_version`` in SGLang's ``GET /model_info``), so
 a push was under way, which the push missed, waits for the one after. An engine in the router that a
 push missed (it could not be reached, and came back) goes out the same way. When no engine in the
 router serves the pushed weights (every engine failed, or there is one engine), no push would come while
-the rollout waits for engines: the trainers push the weights again to the engines that wait
-(:class:`TrainerPush`, handed over at each sync), which then go back in. In the fully-async loop the
-trainers may have trained one more step by then, so such an engine can serve weights one update newer
-than its label, within the one-step staleness that loop allows. With several sharded train ranks the
-push again is a collective that the manager sends to every rank, while the driver may be sending them
-a step: their order is Ray's per caller, so one rank could see the two in the other order and the ranks
-would wait for each other until ``--train-timeout``.
+the rollout waits for engines: the fleet asks for a push again (``repush_request``), the driver has the
+trainers push the weights they hold to the engines that wait (``slimecore.weight_repush``), labelled
+with the version those weights are (in the async loops the trainers may have trained a step since the
+last push), and the engines go back in (``repushed``). The driver, not this process, sends that push, so
+its calls reach every train rank in the order of the driver's other calls (a collective gather of sharded
+weights must be entered by every rank in the same order).
 
 The router process is watched too (its exit is seen within half a second) and started again on the same
 port with the engines of the moment, so the client's URL stays valid while its requests are retried.
@@ -45,7 +44,7 @@ import logging
 import threading
 import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
-from typing import Any, Callable, Protocol
+from typing import Any, Protocol
 
 from slimecore.engines.router import Router, http_json, http_request
 
@@ -93,8 +92,8 @@ class EngineFleet:
         self._weights: tuple[Any, str] | None = None
         self._pushed_version: str | None = None  # the last version train rank 0 pushed (tensor / distributed)
         self._awaiting_push: set[int] = set()  # engines restarted since that push, kept out of the router
-        # push_source(urls, version): the trainers push the weights of ``version`` again to those engines
-        self.push_source: Callable[[list[str], str], None] | None = None
+        self.trainers_push = False  # the trainers push the weights (and can push them again: repush_request)
+        self._repush = threading.Event()  # set while no engine serves the pushed weights
         # current weights and engine slots change together; re-entrant, as a replacement that finds the router
         # dead restarts it (and counts that) while holding it
         self._lock = threading.RLock()
@@ -164,7 +163,7 @@ class EngineFleet:
         """After train rank 0 pushed ``version``: an engine restarted since the last push goes back into the
         router if it serves ``version`` now, and an engine in the router that does not (the push missed it)
         goes out until a push reaches it; when that leaves no engine in the router, the trainers push again
-        (``push_source``). An engine that does not answer is the monitor's."""
+        (``repush_request``). An engine that does not answer is the monitor's."""
         with self._lock:
             self._pushed_version = version
             engines = list(enumerate(self.engines))
@@ -289,9 +288,9 @@ class EngineFleet:
 
     def _push_again(self) -> None:
         """No engine in the router serves the pushed weights, so no push would come (the rollout waits for the
-        engines): have the trainers push them again to the engines that wait (``push_source``)."""
+        engines): ask the trainers to push their weights again to the engines that wait (``repush_request``)."""
         urls = [self.engines[j][1] for j in sorted(self._awaiting_push)]
-        if self.push_source is None:
+        if not self.trainers_push:
             log.warning("engines %s come back with the checkpoint's weights: none serves the pushed weights v%s "
                         "and no trainer can push them again; their samples carry their own weight_version until "
                         "the next push", urls, self._pushed_version)
@@ -299,10 +298,27 @@ class EngineFleet:
                 self._add_to_router(url)
             self._awaiting_push.clear()
             return
-        log.warning("no engine in the router serves the pushed weights v%s: the trainers push them again to %s",
-                    self._pushed_version, urls)
-        self.push_source(urls, self._pushed_version)
-        self.admit_pushed(self._pushed_version, push_again=False)  # one that still does not serve it waits
+        log.warning("no engine in the router serves the pushed weights v%s: asking the trainers to push the weights "
+                    "they hold to %s", self._pushed_version, urls)
+        self._repush.set()
+
+    def repush_request(self, wait: float) -> list[str]:
+        """The URLs of the engines waiting for the trainers to push again, once the fleet asks for that push
+        (within ``wait`` seconds); else ``[]``."""
+        if not self._repush.wait(wait):
+            return []
+        with self._lock:
+            self._repush.clear()
+            return [self.engines[j][1] for j in sorted(self._awaiting_push)]
+
+    def repushed(self, version: str) -> None:
+        """The trainers pushed the weights of ``version`` to the engines of ``repush_request``: those serving it
+        go back into the router (one that still does not waits for the next push). A version older than the last
+        pushed one (a regular push overtook this one) changes nothing."""
+        with self._lock:
+            if self._pushed_version is not None and int(version) < int(self._pushed_version):
+                return
+            self.admit_pushed(version, push_again=False)
 
     def stop(self) -> None:
         self._stop.set()
@@ -320,17 +336,3 @@ def _engine_gone(exc: BaseException) -> bool:
 
     return isinstance(exc, (RayActorError, OSError))
 
-
-class TrainerPush:
-    """The trainers pushing the weights they hold to some engines again (``EngineFleet.push_source``): every
-    train rank takes part, as at a sync (gathering sharded weights is collective); rank 0 sends."""
-
-    def __init__(self, actors: list, transport: str, endpoint: Callable[[str], Any], timeout: float):
-        self.actors, self.transport, self.endpoint, self.timeout = actors, transport, endpoint, timeout
-
-    def __call__(self, urls: list[str], version: str) -> None:
-        from slimecore.raytools import ray_get
-
-        endpoints = [self.endpoint(url) for url in urls]
-        ray_get([actor.push_weights.remote(endpoints, version, self.transport) for actor in self.actors],
-                f"the trainers to push weights v{version} again to {urls}", self.timeout)

@@ -108,18 +108,23 @@ class RolloutManager:
         running ``generate`` waits for it: the manager runs one call at a time)."""
         self.loop.run_until_complete(self.client.pause_for_update())
 
-    def resume_after_update(self, version: int, trainers: list | None = None, transport: str | None = None) -> None:
-        """``trainers``: the train actors that pushed ``version`` over ``transport`` (they can push it again
-        to an engine restarted while no engine serves it, slimecore.engines.fleet)."""
+    def resume_after_update(self, version: int, trainer_push: bool = False) -> None:
+        """``trainer_push``: the trainers pushed ``version`` themselves (they can push again to an engine
+        restarted while no engine serves the pushed weights, slimecore.engines.fleet)."""
         self.client.policy_version = version  # what the engines serve from now on (fully-async staleness)
         if self.fleet:
-            if trainers:
-                from slimecore.engines.fleet import TrainerPush
-
-                self.fleet.push_source = TrainerPush(trainers, transport, self.launcher.endpoint,
-                                                     self.config.ray_timeout)
+            self.fleet.trainers_push = self.fleet.trainers_push or trainer_push
             self.fleet.admit_pushed(str(version))
         self.loop.run_until_complete(self.client.continue_generation())
+
+    # called in the REPUSH concurrency group, while a step runs in the default one (slimecore.weight_repush)
+    def repush_request(self, wait: float) -> list:
+        """The endpoints of the engines waiting for the trainers to push their weights again, ``[]`` if none
+        within ``wait`` seconds."""
+        return [self.launcher.endpoint(url) for url in self.fleet.repush_request(wait)] if self.fleet else []
+
+    def repushed(self, version: int) -> None:
+        self.fleet.repushed(str(version))
 
     def release_memory(self) -> None:
         """--offload-rollout: every engine frees its weights and KV cache while the trainer trains."""

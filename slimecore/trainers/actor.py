@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -54,6 +55,7 @@ class TrainActor:
 
         self.trainer = Trainer(config, self.hooks, rank=rank, world_size=world_size, role=role)
         self.backend = self.trainer.backend
+        self.weights_version: int | None = None  # the policy version of the weights held now (None: not known yet)
 
     @contextlib.contextmanager
     def _watchdog(self):
@@ -73,7 +75,9 @@ class TrainActor:
         results for this rank's samples (``slimecore.trainers.roles``: a value model's values, the actor's
         returns)."""
         with self._watchdog():
-            return self._train(rollout_id, data, policy_version, feeds, update)
+            metrics = self._train(rollout_id, data, policy_version, feeds, update)
+        self.weights_version = policy_version + int(update)  # as the driver counts versions (slimecore.loop)
+        return metrics
 
     def _train(self, rollout_id: int, data: dict, policy_version: int, feeds: tuple[dict, ...],
                update: bool) -> dict[str, float]:
@@ -108,6 +112,11 @@ class TrainActor:
     def push_weights(self, endpoints: list, version: int, transport: str) -> dict[str, float] | None:
         """Send the weights to the engines (``slimecore.trainers.weight_sender``); rank 0 sends and returns
         its figures, the other ranks only take part in gathering sharded weights."""
+        with self._watchdog():
+            return self._push_weights(endpoints, version, transport)
+
+    def _push_weights(self, endpoints: list, version: int, transport: str) -> dict[str, float] | None:
+        self.weights_version = int(version)
         buckets = self.backend.hf_weight_buckets(self.config.update_weight_buffer_size)
         if self.rank != 0:
             for _ in buckets:
@@ -119,6 +128,13 @@ class TrainActor:
             self._sender = WeightSender(self.config.update_weight_buffer_size, timeout=self.config.ray_timeout,
                                          skip_unreachable=self.config.use_fault_tolerance)
         return self._sender.push(buckets, endpoints, str(version), transport)
+
+    def push_held_weights(self, endpoints: list, transport: str) -> int:
+        """Push the weights held now to engines restarted since the last push, labelled with the version they
+        are: the run may have trained a step since that push (the async loops), so its version would be one
+        behind them. Returns that version (``slimecore.weight_repush``)."""
+        self.push_weights(endpoints, self.weights_version, transport)
+        return self.weights_version
 
     def offload(self) -> None:
         self.backend.offload()
@@ -186,6 +202,10 @@ class TrainGroup:
                 pg, placement_group_bundle_index=bundles[0]))
             master_addr, port = ray_get(task.remote(), f"the address of {role} rank 0's node", config.ray_timeout)
         actor_cls = ray.remote(TrainActor)
+        # Ray runs an actor's calls in the order this process submitted them, whichever thread submitted them; a
+        # call is submitted to every rank under this lock, so the driver's step and its push of the weights
+        # again to restarted engines (slimecore.weight_repush) reach every rank in one order, as collectives need
+        self._order = threading.Lock()
         self.actors = []
         for rank, bundle in enumerate(bundles):
             options = bundle_options(pg, bundle, config.num_cpus_per_actor, TRAIN_GPU_SHARE)
@@ -204,15 +224,18 @@ class TrainGroup:
         return max(self.data_ranks) + 1
 
     def _all(self, method: str, *args, what: str):
-        return ray_get([getattr(a, method).remote(*args) for a in self.actors], what, self.config.ray_timeout)
+        with self._order:
+            refs = [getattr(a, method).remote(*args) for a in self.actors]
+        return ray_get(refs, what, self.config.ray_timeout)
 
     def train(self, rollout_id: int, refs: list, policy_version: int, feeds: list[list] = (),
               update: bool = True) -> dict[str, float]:
         """Train every rank on its data ref; each of ``feeds`` is one ref per rank from another role's group
         (``values_refs`` / ``outputs_refs``), resolved by Ray on the rank, never on the driver."""
-        results = self._wait([a.train.remote(rollout_id, refs[d], policy_version, *(feed[d] for feed in feeds),
-                                             update=update)
-                              for a, d in zip(self.actors, self.data_ranks)], f"training on rollout {rollout_id}")
+        with self._order:
+            calls = [a.train.remote(rollout_id, refs[d], policy_version, *(feed[d] for feed in feeds), update=update)
+                     for a, d in zip(self.actors, self.data_ranks)]
+        results = self._wait(calls, f"training on rollout {rollout_id}")
         metrics = results[0]  # already reduced across ranks
         if self.role == ACTOR:
             return metrics
@@ -236,26 +259,38 @@ class TrainGroup:
 
     def values_refs(self, refs: list) -> list:
         """Refs to each rank's ``compute_values`` of its data ref (a value role)."""
-        return [a.compute_values.remote(ref) for a, ref in zip(self.actors, refs)]
+        with self._order:
+            return [a.compute_values.remote(ref) for a, ref in zip(self.actors, refs)]
 
     def outputs_refs(self) -> list:
         """Refs to each rank's outputs of its last ``train`` (its returns)."""
-        return [a.outputs.remote() for a in self.actors]
+        with self._order:
+            return [a.outputs.remote() for a in self.actors]
 
     def weights_ref(self, directory: str | None = None):
         """Rank 0's weights: an object-store ref, or (disk transport) a directory it wrote."""
         if directory is not None:
-            refs = [a.save_weights.remote(directory) for a in self.actors]
+            with self._order:
+                refs = [a.save_weights.remote(directory) for a in self.actors]
             return self._wait(refs, f"the weight sync (writing weights to {directory})")[0]
-        refs = [a.named_weights.remote() for a in self.actors]
+        with self._order:
+            refs = [a.named_weights.remote() for a in self.actors]
         self._wait(refs, "the weight sync (gathering weights for the engines)", fetch=False)
         return refs[0]  # the other ranks return None
 
     def push_weights(self, endpoints: list, version: int, transport: str) -> dict[str, float]:
         """Rank 0 sends the weights straight to the engines (every rank takes part); its figures."""
-        results = self._all("push_weights", endpoints, version, transport,
-                            what=f"{self.role} rank 0 to push weights v{version} to {len(endpoints)} engine(s)")
-        return results[0]
+        with self._order:
+            refs = [a.push_weights.remote(endpoints, version, transport) for a in self.actors]
+        return self._wait(refs, f"the weight sync (pushing weights v{version} to {len(endpoints)} engine(s))")[0]
+
+    def push_held_weights(self, endpoints: list, transport: str) -> int:
+        """Rank 0 sends the weights held now to ``endpoints`` (every rank takes part); the version they are.
+        A rank that does not finish within ``--train-timeout`` fails it with :class:`TrainTimeout`."""
+        with self._order:
+            refs = [a.push_held_weights.remote(endpoints, transport) for a in self.actors]
+        urls = [e.url for e in endpoints]
+        return self._wait(refs, f"pushing the weights again to the restarted engine(s) {urls}")[0]
 
     def offload(self) -> None:
         """--offload-train: every rank moves its model and optimizer state to CPU."""
