@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -45,6 +46,12 @@ def _train(args: list[str], limit: float, env: dict | None = None) -> tuple[subp
     proc = subprocess.run(args, capture_output=True, text=True, timeout=limit + timeout(60),
                           env={**os.environ, **(env or {})})
     return proc, time.perf_counter() - start, " ".join(proc.stderr.split())
+
+
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of this process's finished children."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 # -- before Ray starts ----------------------------------------------------------------------------------
@@ -121,13 +128,19 @@ BEFORE_RAY = {
 @pytest.mark.parametrize("case", list(BEFORE_RAY))
 def test_bad_input_fails_before_ray_with_one_clear_message(case, tiny_checkpoint, tmp_path):
     make_args, expected = BEFORE_RAY[case]
-    proc, seconds, stderr = _train(_args(tiny_checkpoint, tmp_path, *make_args(tmp_path, tiny_checkpoint)),
-                                   timeout(10))
+    args = _args(tiny_checkpoint, tmp_path, *make_args(tmp_path, tiny_checkpoint))
+    cpu_before = _children_cpu()
+    proc, seconds, stderr = _train(args, timeout(10))
+    cpu = _children_cpu() - cpu_before
     assert proc.returncode == 2, proc.stderr[-3000:]
     for text in expected:
         assert text in stderr, (text, proc.stderr[-3000:])
     assert "Started a local Ray instance" not in stderr and "Traceback" not in stderr
-    assert seconds < timeout(10), f"{case}: failed after {seconds:.1f}s"
+    # under 10 s: the command's own CPU time, which other jobs on the machine do not stretch; its wall time
+    # (which they do: 10-14 s at load 10-14 on 2 cores) only within 10 s per unit of load per core
+    assert cpu < timeout(10), f"{case}: used {cpu:.1f}s of CPU before failing"
+    busy = max(1.0, os.getloadavg()[0] / (os.cpu_count() or 1))
+    assert seconds < timeout(10) * busy, f"{case}: failed after {seconds:.1f}s (load per core {busy:.1f})"
 
 
 # -- inside a run --------------------------------------------------------------------------------------
