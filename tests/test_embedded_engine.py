@@ -260,6 +260,44 @@ def test_shared_prompt_prefix_is_prefilled_once_and_changes_no_value(embedded_en
         assert_logprobs_match(server, req.input_ids, out)
 
 
+def test_draw_follows_the_row_probabilities():
+    """The engine's sampler: each row's frequencies match its (unnormalised) weights; weight 0 never comes."""
+    from slimecore.engines.embedded import _draw
+
+    weights = torch.tensor([[0.2, 0.0, 1.2, 0.6], [0.0, 0.0, 0.0, 5.0], [1.0, 1.0, 1.0, 1.0]])
+    n = 60_000
+    tokens = _draw(weights.repeat(n, 1), torch.Generator().manual_seed(3)).view(n, 3)
+    for row in range(3):
+        freq = torch.bincount(tokens[:, row], minlength=4).double() / n
+        expected = weights[row].double() / weights[row].sum()
+        assert (freq - expected).abs().max() < 0.01  # ~5 standard errors at n = 60k
+        assert freq[expected == 0].sum() == 0
+
+
+def test_identical_prompts_are_prefilled_once_and_decode_as_their_own_rows(embedded_engine, monkeypatch):
+    """The n samples of one prompt: the prefill forward sees each distinct prompt once, and every sample
+    keeps the values of its own unpadded forward (its row is a copy, then decodes on its own)."""
+    server = embedded_engine
+    prefilled = []
+    prefill = server._prefill
+    monkeypatch.setattr(server, "_prefill", lambda reqs: prefilled.append(len(reqs)) or prefill(reqs))
+    prompts = [[5, 6, 7]] * 3 + [[9, 10]] * 2 + [[11]]
+    server.unpaused.clear()  # hold them all, so they start as one wave
+    reqs = [server.submit(server.new_request({"input_ids": p, "return_logprob": True, "sampling_params": {
+        "temperature": 0, "max_new_tokens": 3 + 2 * i, "ignore_eos": True}})) for i, p in enumerate(prompts)]
+    server.unpaused.set()
+    for req in reqs:
+        assert req.done.wait(scaled(60))
+    assert prefilled == [6, 3]  # the wave, then its three distinct prompts
+    for req in reqs:
+        assert len(req.output_ids) == req.params["max_new_tokens"]
+        out = {"output_ids": req.output_ids,
+               "meta_info": {"output_token_logprobs": [[lp, t, None] for lp, t in zip(req.logprobs, req.output_ids)],
+                             "output_token_logprobs_length": len(req.output_ids)}}
+        assert_logprobs_match(server, req.input_ids, out)
+    assert reqs[0].output_ids == reqs[1].output_ids[:3] == reqs[2].output_ids[:3]  # greedy: the same tokens
+
+
 def test_late_request_joins_the_running_batch(embedded_engine):
     server = embedded_engine
     waves, joined = server.stats["waves"], server.stats["joined"]

@@ -90,14 +90,16 @@ def test_fused_weights_follow_updates_and_a_memory_release(serve, tmp_path):
     path = make_tiny_checkpoint(tmp_path / "qwen2")
     server = serve(path)
     attn = server.model.model.layers[0].self_attn
-    fused = server.fast.layers[0][1]  # q, k and v stacked; the modules' weights are its rows
+    fused = server.fast.layers[0][1].weight  # q, k and v stacked; the modules' weights are its rows
     assert attn.k_proj.weight.data_ptr() == fused[attn.q_proj.weight.shape[0]:].data_ptr()
     assert attn.q_proj.weight.is_contiguous() and set(server.model.state_dict()) == set(fresh_model(path).state_dict())
     before = [r.output_ids for r in run_wave(server)]
+    assert not server.fast.stale and server.fast.layers[0][1].packed is not None  # the step read packed weights
 
     new = {k: v * 1.5 for k, v in fresh_model(path).state_dict().items()}
     server.load_weights(new, "2")  # the object-store / disk path: copy_ into the parameters
     assert torch.equal(fused[:attn.q_proj.weight.shape[0]], new["model.layers.0.self_attn.q_proj.weight"])
+    assert server.fast.stale  # packed again at the next step
     reqs = run_wave(server)
     assert [r.output_ids for r in reqs] != before
     trainer = fresh_model(path, new)
@@ -113,9 +115,20 @@ def test_fused_weights_follow_updates_and_a_memory_release(serve, tmp_path):
     server.release_memory_occupation(["weights"])
     server.resume_memory_occupation(["weights"])
     server.load_weights(half, "4")
-    assert server.fast.layers[0][1].data_ptr() == server.model.model.layers[0].self_attn.q_proj.weight.data_ptr()
+    assert server.fast.layers[0][1].weight.data_ptr() == server.model.model.layers[0].self_attn.q_proj.weight.data_ptr()
     reqs = run_wave(server)
     trainer = fresh_model(path, half)
+    assert [r.output_ids for r in reqs] == generate_expected(trainer, server.pad_id)
+    assert_trainer_logprobs(trainer, reqs)
+
+
+def test_without_packed_weights_the_step_reads_the_fused_weights(serve, tmp_path, monkeypatch):
+    monkeypatch.setenv("SLIMECORE_ENGINE_PACKED_WEIGHTS", "0")
+    path = make_tiny_checkpoint(tmp_path / "qwen2")
+    server = serve(path)
+    reqs = run_wave(server)
+    assert server.fast.layers[0][1].packed is None and server.fast.head.packed is None
+    trainer = fresh_model(path)
     assert [r.output_ids for r in reqs] == generate_expected(trainer, server.pad_id)
     assert_trainer_logprobs(trainer, reqs)
 

@@ -8,10 +8,18 @@ the attention mask are made once per step, and the LM head runs on the one new p
 cache stays HF's (the engine's growing layers, written in place), so prefill, row selection and joining
 are unchanged.
 
-No extra copy of the weights: the HF modules' ``q_proj.weight`` etc. are rebound as row slices (views) of
-the fused tensors, so every weight update (``state_dict()[name].copy_``) writes straight into what this
-step reads. ``model.to("meta")`` / ``to_empty`` (memory release and resume) replace the parameters, so
-the engine binds again after a resume.
+The HF modules' ``q_proj.weight`` etc. are rebound as row slices (views) of the fused tensors, so every
+weight update (``state_dict()[name].copy_``) writes straight into them. ``model.to("meta")`` /
+``to_empty`` (memory release and resume) replace the parameters, so the engine binds again after a resume.
+
+Packed weights. A decode step multiplies a few rows (the running requests) by every weight matrix, where
+the general matmul is slow on CPU: on a 2-core AVX2 machine a 576 x 1536 fp32 matmul of 1, 4 or 16 rows
+runs 1.8x, 2.7x and 1.6x faster against a weight oneDNN has laid out for it in advance
+(``torch.ops.mkldnn._reorder_linear_weight``) than through ``F.linear``; from ~160 rows on they are
+equal. So on CPU in float32 every linear of the step (the LM head included) reads a packed copy: one more
+copy of the weights in memory, made again at the first step after a weight update (``FastDecoder.stale``,
+set by the engine's ``load_weights``). The result differs from ``F.linear``'s by float32 rounding only
+(kernel order). ``SLIMECORE_ENGINE_PACKED_WEIGHTS=0`` keeps ``F.linear`` (no copy).
 
 Other architectures, sliding-window layers, activations other than SiLU or ``attn_implementation`` other
 than sdpa/eager keep HF's forward (``FastDecoder.supports`` says why not); ``SLIMECORE_ENGINE_FAST_DECODE=0``
@@ -40,6 +48,31 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
+
+
+def _packs(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's prepacked linear serves ``weight``: float32 on CPU, in a torch built with oneDNN."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
+            and os.environ.get("SLIMECORE_ENGINE_PACKED_WEIGHTS", "1") != "0")
+
+
+class _Linear:
+    """``F.linear(x, weight, bias)``, through a oneDNN-packed copy of ``weight`` once ``pack`` made one."""
+
+    __slots__ = ("weight", "bias", "packed")
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
+        self.weight, self.bias, self.packed = weight, bias, None
+
+    def pack(self) -> None:
+        """(Re)make the packed copy from the current weight (a layout for up to 64 rows; any count works)."""
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 64) if _packs(self.weight)
+                       else None)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
 def _fuse(modules: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -90,20 +123,36 @@ class FastDecoder:
         return None
 
     def bind(self) -> None:
-        """Fuse q/k/v and gate/up of every layer (the module parameters become views of the fused tensors)."""
+        """Fuse q/k/v and gate/up of every layer (the module parameters become views of the fused tensors);
+        the packed copies are made at the next step."""
         self.layers = []
         for layer in self.model.model.layers:
             attn, mlp = layer.self_attn, layer.mlp
             q_norm, k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-            self.layers.append((layer.input_layernorm.weight, *_fuse([attn.q_proj, attn.k_proj, attn.v_proj]),
+            self.layers.append((layer.input_layernorm.weight, _Linear(*_fuse([attn.q_proj, attn.k_proj, attn.v_proj])),
                                 None if q_norm is None else q_norm.weight, None if k_norm is None else k_norm.weight,
-                                attn.o_proj.weight, attn.o_proj.bias, layer.post_attention_layernorm.weight,
-                                *_fuse([mlp.gate_proj, mlp.up_proj]), mlp.down_proj.weight, mlp.down_proj.bias))
+                                _Linear(attn.o_proj.weight, attn.o_proj.bias), layer.post_attention_layernorm.weight,
+                                _Linear(*_fuse([mlp.gate_proj, mlp.up_proj])),
+                                _Linear(mlp.down_proj.weight, mlp.down_proj.bias)))
+        head = self.model.lm_head
+        self.head = _Linear(head.weight, head.bias)
+        self.stale = True  # the packed copies are older than the weights
+
+    def release(self) -> None:
+        """Drop every reference to the weights (fused tensors and packed copies): the engine frees them."""
+        self.layers, self.head = [], None
+
+    def _pack(self) -> None:
+        for linear in [self.head, *(x for layer in self.layers for x in layer if isinstance(x, _Linear))]:
+            linear.pack()
+        self.stale = False
 
     def step(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache) -> torch.Tensor:
         """One decode step: ``tokens`` (B,) at ``positions`` (B, 1), ``mask`` (B, L) over the cache plus
         this token, ``cache`` the engine's HF cache (its layers append this token's keys and values).
         Returns the next-token logits (B, V) in float32."""
+        if self.stale:
+            self._pack()
         model = self.model.model
         batch = tokens.shape[0]
         x = model.embed_tokens(tokens)[:, None, :]  # (B, 1, H)
@@ -112,10 +161,9 @@ class FastDecoder:
         attn_mask = mask.bool()[:, None, None, :]  # (B, 1, 1, L), shared by the query heads of a group
         q_size, kv_size = self.heads * self.head_dim, self.kv_heads * self.head_dim
         group = self.heads // self.kv_heads
-        for (ln1, qkv_w, qkv_b, qn, kn, o_w, o_b, ln2, gu_w, gu_b, down_w, down_b), layer in zip(
-                self.layers, cache.layers):
+        for (ln1, qkv, qn, kn, o_proj, ln2, gate_up, down), layer in zip(self.layers, cache.layers):
             h = _rms(x, ln1, self.eps)
-            q, k, v = F.linear(h, qkv_w, qkv_b).split((q_size, kv_size, kv_size), dim=-1)
+            q, k, v = qkv(h).split((q_size, kv_size, kv_size), dim=-1)
             q = q.view(batch, 1, self.heads, self.head_dim)
             k = k.view(batch, 1, self.kv_heads, self.head_dim)
             if qn is not None:
@@ -126,9 +174,9 @@ class FastDecoder:
             # one query token: the heads of a group become the query rows of their key/value head
             out = F.scaled_dot_product_attention(q.reshape(batch, self.kv_heads, group, self.head_dim), keys,
                                                  values, attn_mask=attn_mask, scale=self.scale)
-            x = x + F.linear(out.reshape(batch, 1, q_size), o_w, o_b)
-            gate, up = F.linear(_rms(x, ln2, self.eps), gu_w, gu_b).chunk(2, dim=-1)
-            x = x + F.linear(F.silu(gate) * up, down_w, down_b)
+            x = x + o_proj(out.reshape(batch, 1, q_size))
+            gate, up = gate_up(_rms(x, ln2, self.eps)).chunk(2, dim=-1)
+            x = x + down(F.silu(gate) * up)
         x = _rms(x[:, -1], model.norm.weight, self.eps)
-        return self.model.lm_head(x).float()
+        return self.head(x).float()
 
