@@ -63,33 +63,46 @@ def policy_loss(opts: Any, batch: dict, outputs: dict, reducer, sequence_ratio: 
     ``opts`` carries slime's policy-loss options by their slime names: ``eps_clip``, ``eps_clip_high``,
     ``eps_clip_c``, ``use_rollout_logprobs``, ``use_tis``, ``tis_mode``, ``tis_clip``, ``tis_clip_low``,
     ``get_mismatch_metrics``, ``entropy_coef``, ``use_kl_loss``, ``kl_loss_coef``, ``kl_loss_type`` (the grpo
-    plugin declares them; a plugin reusing its options passes its own ``config.plugin(NAME)``)."""
+    plugin declares them; a plugin reusing its options passes its own ``config.plugin(NAME)``).
+
+    The per-token maths runs once on the micro-batch's tokens joined into one tensor (not once per sample),
+    and each term goes to the reducer as per-sample views of it."""
     log_probs = outputs["log_probs"]
+    lengths = [len(lp) for lp in log_probs]
+    device = log_probs[0].device if log_probs else None
+
+    def joined(tensors) -> torch.Tensor:
+        return torch.cat([t.to(device) for t in tensors]) if tensors else torch.zeros(0)
+
+    def per_sample(flat: torch.Tensor) -> list[torch.Tensor]:
+        return list(flat.split(lengths))
+
+    current = joined(log_probs)
     if opts.use_rollout_logprobs:
-        old = [lp.to(log_probs[0].device) for lp in batch["rollout_log_probs"]]
+        old = joined(batch["rollout_log_probs"])
     elif "log_probs" in batch:
-        old = [lp.to(log_probs[0].device) for lp in batch["log_probs"]]
+        old = joined(batch["log_probs"])
     else:
-        old = [lp.detach() for lp in log_probs]
+        old = current.detach()
     eps_high = opts.eps_clip_high if opts.eps_clip_high is not None else opts.eps_clip
-    ratio_inputs = log_probs
+    ratio_input = current
     if sequence_ratio:
-        ratio_inputs = [sequence_level(lp, o, m.to(lp.device)) for lp, o, m in zip(log_probs, old, batch["loss_masks"])]
-    per_sample = [clipped_surrogate(lp, o, a.to(lp.device), opts.eps_clip, eps_high, opts.eps_clip_c)
-                  for lp, o, a in zip(ratio_inputs, old, batch["advantages"])]
-    token_losses = [p[0] for p in per_sample]
+        old_each = per_sample(old)
+        ratio_input = joined([sequence_level(lp, o, m.to(lp.device))
+                              for lp, o, m in zip(log_probs, old_each, batch["loss_masks"])])
+    token_loss, clipfrac, ppo_kl = clipped_surrogate(ratio_input, old, joined(batch["advantages"]), opts.eps_clip,
+                                                     eps_high, opts.eps_clip_c)
     metrics = {}
     if opts.use_tis or opts.get_mismatch_metrics:
-        pairs = [importance_weights(o, r.to(o.device), opts.tis_clip_low, opts.tis_clip, opts.tis_mode)
-                 for o, r in zip(old, batch["rollout_log_probs"])]
-        metrics.update(tis=reducer([w for w, _ in pairs]), tis_clipfrac=reducer([(w != r).float() for w, r in pairs]),
-                       tis_abs=reducer([(r - 1).abs() for _, r in pairs]),
-                       ois=reducer([torch.exp(-p[2]).detach() for p in per_sample]))
+        w, rho = importance_weights(old, joined(batch["rollout_log_probs"]), opts.tis_clip_low, opts.tis_clip,
+                                    opts.tis_mode)
+        metrics.update(tis=reducer(per_sample(w)), tis_clipfrac=reducer(per_sample((w != rho).float())),
+                       tis_abs=reducer(per_sample((rho - 1).abs())),
+                       ois=reducer(per_sample(torch.exp(-ppo_kl).detach())))
         if opts.use_tis:
-            token_losses = [loss * w for loss, (w, _) in zip(token_losses, pairs)]
-    pg_loss = reducer(token_losses)
-    metrics.update(pg_loss=pg_loss, pg_clipfrac=reducer([p[1] for p in per_sample]),
-                   ppo_kl=reducer([p[2] for p in per_sample]))
+            token_loss = token_loss * w
+    pg_loss = reducer(per_sample(token_loss))
+    metrics.update(pg_loss=pg_loss, pg_clipfrac=reducer(per_sample(clipfrac)), ppo_kl=reducer(per_sample(ppo_kl)))
     loss = pg_loss
     if outputs.get("entropy"):
         entropy_loss = reducer(outputs["entropy"])
@@ -97,8 +110,7 @@ def policy_loss(opts: Any, batch: dict, outputs: dict, reducer, sequence_ratio: 
         if opts.entropy_coef:
             loss = loss - opts.entropy_coef * entropy_loss
     if opts.use_kl_loss:
-        kl = [approx_kl(lp, ref.to(lp.device), opts.kl_loss_type) for lp, ref in zip(log_probs, batch["ref_log_probs"])]
-        kl_loss = reducer(kl)
+        kl_loss = reducer(per_sample(approx_kl(current, joined(batch["ref_log_probs"]), opts.kl_loss_type)))
         metrics["kl_loss"] = kl_loss
         loss = loss + opts.kl_loss_coef * kl_loss
     return loss, {key: value.detach() for key, value in metrics.items()}

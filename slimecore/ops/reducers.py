@@ -32,30 +32,32 @@ def _check(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> Non
                              f"{tuple(m.shape)}; per-token values must cover the response tokens exactly")
 
 
+def _flat_reducer(loss_masks: Sequence[torch.Tensor], token_weights: torch.Tensor) -> Reducer:
+    """``x -> sum over the micro-batch's tokens of x * token_weights``: the per-sample tensors are joined
+    once, so a reduction is three tensor operations (and as many autograd nodes) whatever the sample count."""
+
+    def reduce(values: Sequence[torch.Tensor]) -> torch.Tensor:
+        _check(values, loss_masks)
+        if not values:
+            return torch.zeros((), dtype=torch.float32)
+        return (torch.cat(list(values)).float() * token_weights).sum()
+
+    return reduce
+
+
 def make_sample_mean_reducer(loss_masks: Sequence[torch.Tensor], rollout_mask_sums: Sequence[float],
                              num_rollouts_step: int) -> Reducer:
     """``x -> sum_i sum_t x m / max(D_i, 1) / B`` over this micro-batch's samples (a scalar, fp32)."""
     if len(loss_masks) != len(rollout_mask_sums):
         raise ValueError(f"{len(loss_masks)} loss masks but {len(rollout_mask_sums)} rollout_mask_sums")
     weights = [1.0 / (max(float(d), 1.0) * max(num_rollouts_step, 1)) for d in rollout_mask_sums]
-
-    def reduce(values: Sequence[torch.Tensor]) -> torch.Tensor:
-        _check(values, loss_masks)
-        if not values:
-            return torch.zeros((), dtype=torch.float32)
-        return torch.stack([(x.float() * m).sum() * w for x, m, w in zip(values, loss_masks, weights)]).sum()
-
-    return reduce
+    token_weights = (torch.cat([m.float() * w for m, w in zip(loss_masks, weights)]) if loss_masks
+                     else torch.zeros(0))
+    return _flat_reducer(loss_masks, token_weights)
 
 
 def make_token_mean_reducer(loss_masks: Sequence[torch.Tensor], num_tokens_step: int) -> Reducer:
     """``x -> sum_i sum_t x m / max(N, 1)`` over this micro-batch's samples (a scalar, fp32)."""
     scale = 1.0 / max(int(num_tokens_step), 1)
-
-    def reduce(values: Sequence[torch.Tensor]) -> torch.Tensor:
-        _check(values, loss_masks)
-        if not values:
-            return torch.zeros((), dtype=torch.float32)
-        return torch.stack([(x.float() * m).sum() for x, m in zip(values, loss_masks)]).sum() * scale
-
-    return reduce
+    token_weights = torch.cat([m.float() for m in loss_masks]) * scale if loss_masks else torch.zeros(0)
+    return _flat_reducer(loss_masks, token_weights)
