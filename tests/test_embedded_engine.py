@@ -260,7 +260,7 @@ def test_shared_prompt_prefix_is_prefilled_once_and_changes_no_value(embedded_en
         assert_logprobs_match(server, req.input_ids, out)
 
 
-def test_draw_follows_the_row_probabilities():
+def test_draw_follows_the_row_probabilities(monkeypatch):
     """The engine's sampler: each row's frequencies match its (unnormalised) weights; weight 0 never comes."""
     from slimecore.engines.embedded import _draw
 
@@ -272,6 +272,9 @@ def test_draw_follows_the_row_probabilities():
         expected = weights[row].double() / weights[row].sum()
         assert (freq - expected).abs().max() < 0.01  # ~5 standard errors at n = 60k
         assert freq[expected == 0].sum() == 0
+    # a point that rounds up to the row's total still lands on a token of positive probability
+    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw["dtype"]))
+    assert _draw(torch.tensor([[0.5, 0.5, 0.0, 0.0]]), torch.Generator()).tolist() == [1]
 
 
 def test_identical_prompts_are_prefilled_once_and_decode_as_their_own_rows(embedded_engine, monkeypatch):

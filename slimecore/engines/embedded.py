@@ -192,12 +192,15 @@ class _PauseGate(threading.Event):
 
 def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One token per row of ``probs`` (B, V), non-negative and not necessarily normalised, drawn with
-    probability ``probs / probs.sum()`` by inverting the row's cumulative sum (float64) at one uniform number.
+    probability ``probs / probs.sum()`` by inverting the row's cumulative sum at one uniform number.
     ``torch.multinomial`` draws one exponential number per token of the vocabulary (18 ms for 16 rows of a 49k
-    vocabulary on one core here, against 1-2 ms for this). A token of probability 0 is never drawn."""
-    cdf = probs.cumsum(-1, dtype=torch.float64)  # (B, V)
-    point = torch.rand((probs.shape[0], 1), generator=generator, dtype=torch.float64) * cdf[:, -1:]
-    return torch.searchsorted(cdf, point, right=True).squeeze(1).clamp_(max=probs.shape[1] - 1)
+    vocabulary on one core here, against ~1 ms for this). A token of probability 0 is never drawn: the search
+    takes the first index whose cumulative sum exceeds the point, and a point that rounds up to the total
+    takes the last token of positive probability."""
+    cdf = probs.cumsum(-1)  # (B, V)
+    total = cdf[:, -1:].contiguous()
+    point = torch.rand(total.shape, generator=generator, dtype=cdf.dtype) * total
+    return torch.minimum(torch.searchsorted(cdf, point, right=True), torch.searchsorted(cdf, total)).squeeze(1)
 
 
 def _growing_layer_class():
