@@ -174,8 +174,10 @@ class FSDPBackend:
         if keep_reference and not config.use_lora:  # LoRA's reference is the model with its adapters disabled
             self._reference = ReferenceCopy((name, _local(p)) for name, p in self.model.named_parameters())
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # torch's fused AdamW kernel (fp32 parameters, plain or DTensor shards, on CPU or CUDA: the training
+        # devices): one pass over each tensor instead of the default's chain of elementwise ops
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                           eps=config.adam_eps, weight_decay=config.weight_decay)
+                                           eps=config.adam_eps, weight_decay=config.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
 
     def _pushes_from_shared_memory(self) -> bool:
@@ -467,6 +469,8 @@ class FSDPBackend:
         if opt_file.is_file():
             saved = torch.load(opt_file, weights_only=False)
             self.optimizer.load_state_dict(saved["optimizer"])
+            for group in self.optimizer.param_groups:  # a checkpoint from before the fused kernel resumes with it
+                group["fused"] = True
             self.scheduler.load_state_dict(saved["scheduler"])
         elif not self.config.no_save_optim:
             raise FileNotFoundError(f"{opt_file} is missing; the checkpoint was saved with --no-save-optim? "
