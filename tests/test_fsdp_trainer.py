@@ -123,6 +123,58 @@ def test_loss_and_gradients_do_not_depend_on_micro_batching(tiny_checkpoint, per
     assert all(torch.equal(a, b) for a, b in zip(batch["log_probs"], batch["ref_log_probs"]))
 
 
+MIXED_LENGTHS = [40, 9, 41, 9, 90, 9, 43, 88]  # forward chunks: the three 9s (no padding), 40-43, 88-90
+
+
+def _with_lengths(data, lengths):
+    """``data`` with each sample's prompt redrawn so that the sample is ``lengths[i]`` tokens long."""
+    rng = random.Random(1)
+    for i, (n, r) in enumerate(zip(lengths, data["response_lengths"])):
+        data["tokens"][i] = [rng.randint(3, 300) for _ in range(n - r)] + data["tokens"][i][-r:]
+    return data
+
+
+def test_forward_chunks_minimise_padded_tokens_plus_a_cost_per_forward():
+    from slimecore.trainers.fsdp import forward_chunks
+
+    assert forward_chunks(MIXED_LENGTHS) == [[1, 3, 5], [0, 2, 6], [7, 4]]
+    assert forward_chunks(MIXED_LENGTHS, forward_cost=10**6) == [[1, 3, 5, 0, 2, 6, 7, 4]]
+    assert forward_chunks(MIXED_LENGTHS, forward_cost=0) == [[1, 3, 5], [0], [2], [6], [7], [4]]
+    assert forward_chunks([7]) == [[0]]
+
+
+@pytest.mark.parametrize("value_model", [False, True])
+def test_chunked_forward_equals_one_padded_forward(tiny_checkpoint, value_model):
+    """Each sample's log-probs, entropies (or values) from the length-sorted chunks equal those of the whole
+    micro-batch right-padded to its longest sample."""
+    from slimecore.trainers.fsdp import FSDPBackend
+
+    backend = FSDPBackend(_config(tiny_checkpoint), value_model=value_model)
+    data = _with_lengths(_data(), MIXED_LENGTHS)
+    args = (data["tokens"], data["response_lengths"], 0.7, True)
+    with torch.no_grad():
+        chunked, padded = backend._forward(*args), backend._forward_padded(*args)
+    assert chunked.keys() == padded.keys() == ({"values"} if value_model else {"log_probs", "entropy"})
+    for key in chunked:
+        for got, want, r in zip(chunked[key], padded[key], data["response_lengths"]):
+            assert got.shape == want.shape == (r,)
+            assert (got - want).abs().max().item() < 1e-6
+
+
+def test_chunking_is_invisible_to_the_loss_and_gradients(tiny_checkpoint, monkeypatch):
+    import slimecore.trainers.fsdp as fsdp
+
+    config = _config(tiny_checkpoint, calculate_per_token_loss=True)
+    data = _with_lengths(_data(), MIXED_LENGTHS)
+    chunked, g_chunked, _, _ = _train_once(config, data)
+    monkeypatch.setattr(fsdp, "forward_chunks", lambda lengths: [list(range(len(lengths)))])
+    padded, g_padded, _, _ = _train_once(config, data)
+    assert g_padded.abs().max().item() > 0
+    assert (g_chunked - g_padded).abs().max().item() < 1e-6
+    for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm"):
+        assert chunked[key] == pytest.approx(padded[key], abs=1e-6)
+
+
 def test_sample_mean_loss_value_by_hand(tiny_checkpoint):
     """At the old policy the ratio is 1, so pg_loss = -(1/B) sum_i A_i * (mask tokens of i) / D_i."""
     data = _data()

@@ -11,10 +11,13 @@ split. Two ways to hold the weights:
   decoder layers and the root are sharded; FSDP reduce-scatters with a divide factor of 1 (a sum).
   The tests exercise it on CPU with gloo; it has not been run on GPUs here.
 
-Micro-batches are right-padded batches with an attention mask (no sequence packing), so a sample's logits
-do not depend on its neighbours beyond kernel rounding (checked to 1e-6 in the tests). Sample i's response
-log-probs are logits rows ``[prompt_len - 1, len - 1)`` scoring tokens ``[prompt_len, len)``. Dropout is
-switched off at load (as slime's scripts do), so the training forward equals the old-policy forward.
+Forward. A micro-batch's samples run in chunks of similar length (``forward_chunks``: length-sorted, split
+to minimise padded tokens plus a fixed cost per forward), each right-padded to its own longest sample with an
+attention mask (none when no row is padded; no sequence packing), so a sample's logits do not depend on its
+neighbours beyond kernel rounding (checked to 1e-6 in the tests). The loss still sees the whole micro-batch,
+in its order; FSDP2 runs one chunk, so that every rank runs the same forwards. Sample i's response log-probs
+are logits rows ``[prompt_len - 1, len - 1)`` scoring tokens ``[prompt_len, len)``. Dropout is switched off at
+load (as slime's scripts do), so the training forward equals the old-policy forward.
 
 Precision. Weights and optimizer state stay fp32; ``--bf16`` runs the forward in bf16 (autocast, or FSDP2's
 ``MixedPrecisionPolicy`` with fp32 gradient reduction). Pure-bf16 weights would lose small Adam updates.
@@ -49,6 +52,26 @@ from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, loa
 log = logging.getLogger("slimecore.fsdp")
 
 BUCKET_ELEMENTS = 1 << 24  # gradient all-reduce bucket (64 MiB of fp32)
+FORWARD_COST_TOKENS = 64  # what one more forward (and its backward) costs, in padded tokens (see forward_chunks)
+
+
+def forward_chunks(lengths: list[int], forward_cost: int = FORWARD_COST_TOKENS) -> list[list[int]]:
+    """Indices of the samples of lengths ``lengths`` in chunks to forward one after the other, each chunk
+    padded to its longest sample: the split of the length-sorted samples that minimises the padded tokens
+    plus ``forward_cost`` per chunk (a dynamic program over the sorted order, O(n^2))."""
+    order = sorted(range(len(lengths)), key=lengths.__getitem__)
+    cost = [0.0] + [math.inf] * len(order)  # cost[j]: the best split of the j shortest samples
+    start = [0] * (len(order) + 1)  # start[j]: where that split's last chunk starts
+    for j in range(1, len(order) + 1):
+        for i in range(j):
+            c = cost[i] + (j - i) * lengths[order[j - 1]] + forward_cost
+            if c < cost[j]:
+                cost[j], start[j] = c, i
+    chunks, j = [], len(order)
+    while j:
+        chunks.append(order[start[j]:j])
+        j = start[j]
+    return chunks[::-1]
 
 
 def _without_dropout(checkpoint: str):
@@ -151,8 +174,10 @@ class FSDPBackend:
         if keep_reference and not config.use_lora:  # LoRA's reference is the model with its adapters disabled
             self._reference = ReferenceCopy((name, _local(p)) for name, p in self.model.named_parameters())
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # torch's fused AdamW kernel (fp32 parameters, plain or DTensor shards, on CPU or CUDA: the training
+        # devices): one pass over each tensor instead of the default's chain of elementwise ops
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
-                                           eps=config.adam_eps, weight_decay=config.weight_decay)
+                                           eps=config.adam_eps, weight_decay=config.weight_decay, fused=True)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(config))
 
     def _pushes_from_shared_memory(self) -> bool:
@@ -191,13 +216,29 @@ class FSDPBackend:
     def _forward(self, tokens: list[list[int]], response_lengths: list[int], temperature: float,
                  with_entropy: bool) -> dict:
         """Per-sample response log-probs (and entropies) of one non-empty micro-batch, each ``(R_i,)``; for the
-        value model, the values at the same positions."""
+        value model, the values at the same positions, in the micro-batch's order (forwarded in chunks: see
+        the module docstring)."""
+        chunks = [list(range(len(tokens)))] if self.sharded else forward_chunks([len(t) for t in tokens])
+        outputs: dict[str, list | None] = {}
+        for chunk in chunks:
+            part = self._forward_padded([tokens[i] for i in chunk], [response_lengths[i] for i in chunk],
+                                        temperature, with_entropy)
+            for key, values in part.items():
+                merged = outputs.setdefault(key, None if values is None else [None] * len(tokens))
+                for i, value in zip(chunk, values or ()):
+                    merged[i] = value
+        return outputs
+
+    def _forward_padded(self, tokens: list[list[int]], response_lengths: list[int], temperature: float,
+                        with_entropy: bool) -> dict:
+        """``_forward`` of samples right-padded to the longest one (no attention mask when none is padded)."""
         longest = max(len(t) for t in tokens)
         ids = torch.zeros(len(tokens), longest, dtype=torch.long)  # (B, T), right-padded with id 0
         attention = torch.zeros(len(tokens), longest, dtype=torch.long)  # (B, T)
         for i, seq in enumerate(tokens):
             ids[i, :len(seq)] = torch.as_tensor(seq, dtype=torch.long)
             attention[i, :len(seq)] = 1
+        mask = None if all(len(t) == longest for t in tokens) else attention.to(self.device)
         # Only positions that predict a response token need the LM head: ask the model for logits there
         # alone (``logits_to_keep`` with positions), which saves the (B, T, V) logits of every prompt.
         rows_b = torch.cat([torch.full((r,), i) for i, r in enumerate(response_lengths)])  # (N,)
@@ -205,13 +246,12 @@ class FSDPBackend:
         split = list(response_lengths)
         if self.is_value:
             with self._autocast():
-                out = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device))
+                out = self.model(input_ids=ids.to(self.device), attention_mask=mask)
             values = out.logits[rows_b.to(self.device), rows_t.to(self.device), 0].float()  # (N,)
             return {"values": list(values.split(split))}
         keep, column = torch.unique(rows_t, return_inverse=True)  # (K,), (N,)
         with self._autocast():
-            out = self.model(input_ids=ids.to(self.device), attention_mask=attention.to(self.device),
-                             logits_to_keep=keep.to(self.device))
+            out = self.model(input_ids=ids.to(self.device), attention_mask=mask, logits_to_keep=keep.to(self.device))
         rows = out.logits[rows_b.to(self.device), column.to(self.device)]  # (N, V)
         targets = ids[rows_b, rows_t + 1].to(self.device)  # (N,)
         log_probs, entropy = log_probs_and_entropy(rows, targets, temperature, with_entropy)
@@ -429,6 +469,8 @@ class FSDPBackend:
         if opt_file.is_file():
             saved = torch.load(opt_file, weights_only=False)
             self.optimizer.load_state_dict(saved["optimizer"])
+            for group in self.optimizer.param_groups:  # a checkpoint from before the fused kernel resumes with it
+                group["fused"] = True
             self.scheduler.load_state_dict(saved["scheduler"])
         elif not self.config.no_save_optim:
             raise FileNotFoundError(f"{opt_file} is missing; the checkpoint was saved with --no-save-optim? "
