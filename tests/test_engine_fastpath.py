@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from slimecore.engines.embedded import EmbeddedServer
+from slimecore.engines import fastpath
 from slimecore.engines.fastpath import FastDecoder
 from slimecore.testing import timeout as scaled
 from slimecore.testing.tiny import make_tiny_checkpoint
@@ -57,7 +58,10 @@ def assert_trainer_logprobs(model, reqs):
 
 
 @pytest.fixture
-def serve():
+def serve(monkeypatch):
+    """Start engines on a tiny checkpoint; its weights are packed although they are below the size that gains
+    (the path a real model's decode takes), unless a test turns packing off."""
+    monkeypatch.setattr(fastpath, "PACK_MIN_ELEMENTS", 0)
     servers = []
 
     def start(path):
@@ -122,8 +126,12 @@ def test_fused_weights_follow_updates_and_a_memory_release(serve, tmp_path):
     assert_trainer_logprobs(trainer, reqs)
 
 
-def test_without_packed_weights_the_step_reads_the_fused_weights(serve, tmp_path, monkeypatch):
-    monkeypatch.setenv("SLIMECORE_ENGINE_PACKED_WEIGHTS", "0")
+@pytest.mark.parametrize("off", ["env", "small"])
+def test_without_packed_weights_the_step_reads_the_fused_weights(serve, tmp_path, monkeypatch, off):
+    if off == "env":
+        monkeypatch.setenv("SLIMECORE_ENGINE_PACKED_WEIGHTS", "0")
+    else:  # the tiny model's weights, at the real threshold, are too small to gain from packing
+        monkeypatch.setattr(fastpath, "PACK_MIN_ELEMENTS", 1 << 19)
     path = make_tiny_checkpoint(tmp_path / "qwen2")
     server = serve(path)
     reqs = run_wave(server)

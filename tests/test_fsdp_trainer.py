@@ -143,14 +143,24 @@ def test_forward_chunks_minimise_padded_tokens_plus_a_cost_per_forward():
     assert forward_chunks([7]) == [[0]]
 
 
+def test_one_more_forward_costs_more_tokens_on_a_small_model():
+    from slimecore.trainers.fsdp import FORWARD_COST_TOKENS, forward_cost_tokens
+
+    assert forward_cost_tokens(135_000_000, "cpu") == FORWARD_COST_TOKENS  # SmolLM2: the tokens dominate
+    assert forward_cost_tokens(130_000, "cpu") > 300  # a tiny model: the Python of a forward dominates
+    assert forward_cost_tokens(500_000_000, "cuda") > forward_cost_tokens(500_000_000, "cpu")
+
+
 @pytest.mark.parametrize("value_model", [False, True])
 def test_chunked_forward_equals_one_padded_forward(tiny_checkpoint, value_model):
     """Each sample's log-probs, entropies (or values) from the length-sorted chunks equal those of the whole
     micro-batch right-padded to its longest sample."""
-    from slimecore.trainers.fsdp import FSDPBackend
+    from slimecore.trainers.fsdp import FORWARD_COST_TOKENS, FSDPBackend, forward_chunks
 
     backend = FSDPBackend(_config(tiny_checkpoint), value_model=value_model)
+    backend.forward_cost = FORWARD_COST_TOKENS  # chunk as a larger model would (the tiny one forwards once)
     data = _with_lengths(_data(), MIXED_LENGTHS)
+    assert len(forward_chunks(MIXED_LENGTHS, backend.forward_cost)) > 1
     args = (data["tokens"], data["response_lengths"], 0.7, True)
     with torch.no_grad():
         chunked, padded = backend._forward(*args), backend._forward_padded(*args)
@@ -166,8 +176,9 @@ def test_chunking_is_invisible_to_the_loss_and_gradients(tiny_checkpoint, monkey
 
     config = _config(tiny_checkpoint, calculate_per_token_loss=True)
     data = _with_lengths(_data(), MIXED_LENGTHS)
+    monkeypatch.setattr(fsdp, "forward_cost_tokens", lambda *_: fsdp.FORWARD_COST_TOKENS)  # chunk the tiny model
     chunked, g_chunked, _, _ = _train_once(config, data)
-    monkeypatch.setattr(fsdp, "forward_chunks", lambda lengths: [list(range(len(lengths)))])
+    monkeypatch.setattr(fsdp, "forward_chunks", lambda lengths, cost: [list(range(len(lengths)))])
     padded, g_padded, _, _ = _train_once(config, data)
     assert g_padded.abs().max().item() > 0
     assert (g_chunked - g_padded).abs().max().item() < 1e-6

@@ -15,10 +15,11 @@ weight update (``state_dict()[name].copy_``) writes straight into them. ``model.
 Packed weights. A decode step multiplies a few rows (the running requests) by every weight matrix, where
 the general matmul is slow on CPU: on a 2-core AVX2 machine a 576 x 1536 fp32 matmul of 1, 4 or 16 rows
 runs 1.8x, 2.7x and 1.6x faster against a weight oneDNN has laid out for it in advance
-(``torch.ops.mkldnn._reorder_linear_weight``) than through ``F.linear``; from ~160 rows on they are
-equal. So on CPU in float32 every linear of the step (the LM head included) reads a packed copy: one more
-copy of the weights in memory, made again at the first step after a weight update (``FastDecoder.stale``,
-set by the engine's ``load_weights``). The result differs from ``F.linear``'s by float32 rounding only
+(``torch.ops.mkldnn._reorder_linear_weight``) than through ``F.linear``, when every weight of the model is
+streamed from memory in turn as a decode step does; from ~160 rows on they are equal. So on CPU in float32
+every linear of the step with at least ``PACK_MIN_ELEMENTS`` weights (the LM head included) reads a packed
+copy: one more copy of those weights in memory, made again at the first step after a weight update
+(``FastDecoder.stale``, set by the engine's ``load_weights``). The result differs from ``F.linear``'s by float32 rounding only
 (kernel order). ``SLIMECORE_ENGINE_PACKED_WEIGHTS=0`` keeps ``F.linear`` (no copy).
 
 Other architectures, sliding-window layers, activations other than SiLU or ``attn_implementation`` other
@@ -50,10 +51,16 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin
 
 
+# A packed call costs ~30 us more than F.linear's whatever the size, so small weights stay unpacked: 896 x 896
+# gains 1.3x at 16 rows, 1024 x 256 nothing, 128 x 64 loses 3x (2 threads, one weight hot in cache).
+PACK_MIN_ELEMENTS = 1 << 19
+
+
 def _packs(weight: torch.Tensor) -> bool:
-    """Whether oneDNN's prepacked linear serves ``weight``: float32 on CPU, in a torch built with oneDNN."""
-    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-            and os.environ.get("SLIMECORE_ENGINE_PACKED_WEIGHTS", "1") != "0")
+    """Whether oneDNN's prepacked linear serves ``weight``: float32 on CPU, in a torch built with oneDNN, and
+    large enough to gain."""
+    return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.numel() >= PACK_MIN_ELEMENTS
+            and torch.backends.mkldnn.is_available() and os.environ.get("SLIMECORE_ENGINE_PACKED_WEIGHTS", "1") != "0")
 
 
 class _Linear:

@@ -12,7 +12,7 @@ split. Two ways to hold the weights:
   The tests exercise it on CPU with gloo; it has not been run on GPUs here.
 
 Forward. A micro-batch's samples run in chunks of similar length (``forward_chunks``: length-sorted, split
-to minimise padded tokens plus a fixed cost per forward), each right-padded to its own longest sample with an
+to minimise padded tokens plus a cost per forward, ``forward_cost_tokens``, larger for a small model), each right-padded to its own longest sample with an
 attention mask (none when no row is padded; no sequence packing), so a sample's logits do not depend on its
 neighbours beyond kernel rounding (checked to 1e-6 in the tests). The loss still sees the whole micro-batch,
 in its order; FSDP2 runs one chunk, so that every rank runs the same forwards. Sample i's response log-probs
@@ -53,6 +53,15 @@ log = logging.getLogger("slimecore.fsdp")
 
 BUCKET_ELEMENTS = 1 << 24  # gradient all-reduce bucket (64 MiB of fp32)
 FORWARD_COST_TOKENS = 64  # what one more forward (and its backward) costs, in padded tokens (see forward_chunks)
+# ... at least: a forward and backward also cost ~2 ms of Python and dispatch whatever the model, which on a small
+# model is worth many tokens (a token costs ~6 x parameters FLOPs; ~1.6e11 FLOP/s on two CPU cores)
+FORWARD_OVERHEAD_S, DEVICE_FLOPS = 2e-3, {"cpu": 1.6e11, "cuda": 2e14}
+
+
+def forward_cost_tokens(num_params: int, device: str) -> int:
+    """``forward_chunks``' cost of one more forward for a model of ``num_params`` parameters on ``device``."""
+    per_token_s = 6 * num_params / DEVICE_FLOPS.get(device, DEVICE_FLOPS["cpu"])
+    return max(FORWARD_COST_TOKENS, round(FORWARD_OVERHEAD_S / per_token_s))
 
 
 def forward_chunks(lengths: list[int], forward_cost: int = FORWARD_COST_TOKENS) -> list[list[int]]:
@@ -174,6 +183,7 @@ class FSDPBackend:
         if keep_reference and not config.use_lora:  # LoRA's reference is the model with its adapters disabled
             self._reference = ReferenceCopy((name, _local(p)) for name, p in self.model.named_parameters())
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.forward_cost = forward_cost_tokens(sum(p.numel() for p in self.model.parameters()), self.device.type)
         # torch's fused AdamW kernel (fp32 parameters, plain or DTensor shards, on CPU or CUDA: the training
         # devices): one pass over each tensor instead of the default's chain of elementwise ops
         self.optimizer = torch.optim.AdamW(self.params, lr=config.lr, betas=(config.adam_beta1, config.adam_beta2),
@@ -218,7 +228,8 @@ class FSDPBackend:
         """Per-sample response log-probs (and entropies) of one non-empty micro-batch, each ``(R_i,)``; for the
         value model, the values at the same positions, in the micro-batch's order (forwarded in chunks: see
         the module docstring)."""
-        chunks = [list(range(len(tokens)))] if self.sharded else forward_chunks([len(t) for t in tokens])
+        chunks = ([list(range(len(tokens)))] if self.sharded
+                  else forward_chunks([len(t) for t in tokens], self.forward_cost))
         outputs: dict[str, list | None] = {}
         for chunk in chunks:
             part = self._forward_padded([tokens[i] for i in chunk], [response_lengths[i] for i in chunk],
