@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 from aiohttp import web
 
+from slimecore import aio
 from slimecore.agents import protocol
 from slimecore.agents.chat import ChatTemplate, ToolParser, parse_qwen_tool_calls
 from slimecore.agents.protocol import APIError, Choice, TurnRequest
@@ -262,7 +263,7 @@ def serve_in_thread(app: web.Application, host: str = "127.0.0.1", port: int = 0
     started, failure, box = threading.Event(), [], {}
 
     def serve():
-        loop = asyncio.new_event_loop()
+        loop = aio.new_event_loop()
         box["loop"] = loop
         runner = web.AppRunner(app, **{"access_log": None, **(runner_kwargs or {})})
         try:

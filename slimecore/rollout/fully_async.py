@@ -14,6 +14,7 @@ import queue
 import threading
 import time
 
+from slimecore import aio
 from slimecore.rollout.groups import GroupRunner, concurrency, warn_if_starving
 from slimecore.types import RolloutOutput, Sample, Status
 
@@ -46,7 +47,7 @@ class BackgroundRollout:
 
     # -- the worker thread -------------------------------------------------------------------------
     def _main(self) -> None:
-        loop = asyncio.new_event_loop()
+        loop = aio.new_event_loop()
         try:
             loop.run_until_complete(self._produce())
         except BaseException as exc:  # surfaced to the next step by take()

@@ -17,6 +17,7 @@ from pathlib import Path
 import ray
 import ray.util
 
+from slimecore import aio
 from slimecore.config import Config
 from slimecore.errors import check_reward_failures
 from slimecore.plugins import load_for_config
@@ -45,7 +46,7 @@ class RolloutManager:
         self.data_source = self.hooks.slime_data_source(config=config, tokenizer=self.tokenizer,
                                                         buffer_filter=buffer_filter(self.hooks, config))
         self.sample_hooks = SampleHooks(self.hooks)
-        self.loop = asyncio.new_event_loop()
+        self.loop = aio.new_event_loop()
         self._states: dict[int, dict] = {}  # data-source state after each generated step (for checkpoints)
         self._eval_sources: dict[str, object] = {}
         self._retries_logged = 0

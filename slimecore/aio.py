@@ -1,0 +1,16 @@
+"""Event loops for the processes that serve or send HTTP (the embedded engine, the rollout client, the agent
+session server): uvloop's where it is installed, asyncio's otherwise. The tiny vs-TRL rollout (64 ``/generate``
+calls through the router) took 68 ms on uvloop against 78 ms on asyncio's loop, most of it in answering the
+64 requests at the end of the wave."""
+
+from __future__ import annotations
+
+import asyncio
+
+
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    try:
+        import uvloop
+    except ImportError:  # e.g. on Windows, where uvloop does not install
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
