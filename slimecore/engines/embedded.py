@@ -593,7 +593,7 @@ class EmbeddedServer:
         if not isinstance(start, int) or start > len(ids):
             raise BadRequest(f"logprob_start_len ({start}) must be an integer at most the prompt length ({len(ids)})")
         stop_ids = frozenset() if params["ignore_eos"] else frozenset(params["stop_token_ids"]) | self.eos_ids
-        rid = body.get("rid") or f"{self._rid_prefix}{next(self._rid_count):x}"
+        rid = body.get("rid") or f"{self._rid_prefix}{next(self._rid_count):016x}"  # 32 hex digits, as uuid4().hex
         if not isinstance(rid, str):
             raise BadRequest("rid must be a string")
         seed = params["sampling_seed"]
