@@ -32,7 +32,8 @@ def test_a_tool_call_episode(tool_checkpoint):
     env = plugin.environment(config)
     with embedded_engine(tool_checkpoint) as engine, agent_sessions(engine.url, tool_checkpoint) as sessions:
         sample = Sample(index=0, group_index=0, metadata={"verifiers": {"task": 0, "key": env.tasks[0].key}})
-        session = sessions.open(sample, max_new_tokens=96)
+        # greedy, whatever the harness asks: the taught model at temperature 1 may miswrite the call
+        session = sessions.open(sample, pinned=("temperature",), max_new_tokens=96, temperature=0)
         reward = asyncio.run(plugin.slime_agent(config=config, sample=sample, session=session))
         samples = sessions.finish(session)
     turns = session.state.trajectory.turns
