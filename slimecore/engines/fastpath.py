@@ -19,8 +19,8 @@ runs 1.8x, 2.7x and 1.6x faster against a weight oneDNN has laid out for it in a
 streamed from memory in turn as a decode step does; from ~160 rows on they are equal. So on CPU in float32
 every linear of the step with at least ``PACK_MIN_ELEMENTS`` weights (the LM head included) reads a packed
 copy: one more copy of those weights in memory, made again at the first step after a weight update
-(``FastDecoder.stale``, set by the engine's ``load_weights``). The result differs from ``F.linear``'s by float32 rounding only
-(kernel order). ``SLIMECORE_ENGINE_PACKED_WEIGHTS=0`` keeps ``F.linear`` (no copy).
+(``FastDecoder.stale``, set by the engine's ``load_weights``). The result differs from ``F.linear``'s by
+float32 rounding only (kernel order). ``SLIMECORE_ENGINE_PACKED_WEIGHTS=0`` keeps ``F.linear`` (no copy).
 
 Other architectures, sliding-window layers, activations other than SiLU or ``attn_implementation`` other
 than sdpa/eager keep HF's forward (``FastDecoder.supports`` says why not); ``SLIMECORE_ENGINE_FAST_DECODE=0``

@@ -12,12 +12,13 @@ split. Two ways to hold the weights:
   The tests exercise it on CPU with gloo; it has not been run on GPUs here.
 
 Forward. A micro-batch's samples run in chunks of similar length (``forward_chunks``: length-sorted, split
-to minimise padded tokens plus a cost per forward, ``forward_cost_tokens``, larger for a small model), each right-padded to its own longest sample with an
-attention mask (none when no row is padded; no sequence packing), so a sample's logits do not depend on its
-neighbours beyond kernel rounding (checked to 1e-6 in the tests). The loss still sees the whole micro-batch,
-in its order; FSDP2 runs one chunk, so that every rank runs the same forwards. Sample i's response log-probs
-are logits rows ``[prompt_len - 1, len - 1)`` scoring tokens ``[prompt_len, len)``. Dropout is switched off at
-load (as slime's scripts do), so the training forward equals the old-policy forward.
+to minimise padded tokens plus a cost per forward, ``forward_cost_tokens``, larger for a small model), each
+right-padded to its own longest sample with an attention mask (none when no row is padded; no sequence
+packing), so a sample's logits do not depend on its neighbours beyond kernel rounding (checked to 1e-6 in the
+tests). The loss still sees the whole micro-batch, in its order; FSDP2 runs one chunk, so that every rank runs
+the same forwards. Sample i's response log-probs are logits rows ``[prompt_len - 1, len - 1)`` scoring tokens
+``[prompt_len, len)``. Dropout is switched off at load (as slime's scripts do), so the training forward equals
+the old-policy forward.
 
 Precision. Weights and optimizer state stay fp32; ``--bf16`` runs the forward in bf16 (autocast, or FSDP2's
 ``MixedPrecisionPolicy`` with fp32 gradient reduction). Pure-bf16 weights would lose small Adam updates.
@@ -54,7 +55,8 @@ log = logging.getLogger("slimecore.fsdp")
 BUCKET_ELEMENTS = 1 << 24  # gradient all-reduce bucket (64 MiB of fp32)
 FORWARD_COST_TOKENS = 64  # what one more forward (and its backward) costs, in padded tokens (see forward_chunks)
 # ... at least: a forward and backward also cost ~2 ms of Python and dispatch whatever the model, which on a small
-# model is worth many tokens (a token costs ~6 x parameters FLOPs; ~1.6e11 FLOP/s on two CPU cores)
+# model is worth many tokens (a token costs ~6 x parameters FLOPs; ~1.6e11 FLOP/s measured on two CPU cores; the
+# CUDA figure is an assumed order of magnitude for a recent GPU, not measured here)
 FORWARD_OVERHEAD_S, DEVICE_FLOPS = 2e-3, {"cpu": 1.6e11, "cuda": 2e14}
 
 
