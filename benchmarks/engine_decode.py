@@ -11,11 +11,12 @@ every step (``engine_hf_step``, the engine as it was before that step existed). 
 identical on every side (the benchmark stops otherwise).
 
 Rollout (``--rollout``): the request path of a rollout on small work, the vs-TRL tiny config by default
-(8 prompts x 8 samples, 16 new tokens, temperature 1): the 64 ``/generate`` calls go from the rollout
-client through the real sglang-router to the engine's HTTP server (``rollout``), against
-``model.generate(do_sample=True)`` on the same 64 rows (what TRL's rollout runs) and against the engine
-scheduled as before this change (``rollout_before``: at most 32 rows at once, and a wave that waits the
-whole gather window).
+(8 prompts x 8 samples, 16 new tokens, temperature 1): the 64 samples go from the rollout client through
+the real sglang-router to the engine's HTTP server, one request per prompt group as the built-in rollout
+sends them (``rollout_grouped``: 8 batch requests, ``slimecore.rollout.client.SharedRequests``) and one
+``/generate`` call per sample (``rollout``: 64 calls), against ``model.generate(do_sample=True)`` on the same
+64 rows (what TRL's rollout runs) and against the engine scheduled as before the batching work
+(``rollout_before``: 64 calls, at most 32 rows at once, and a wave that waits the whole gather window).
 
 The JSON in ``benchmarks/results/`` holds each side's tokens/s (new tokens / wall time; the median of
 ``--repeat`` rounds, after a first round left out), the ratios, the 1-minute load average before every
@@ -101,10 +102,11 @@ def decode_sides(server, model, batch, new_tokens: int) -> dict:
             "engine": engine(fast), "engine_hf_step": engine(None)}
 
 
-def rollout_sides(server, model, batch, new_tokens: int, loop) -> dict:
-    """The 64 calls through the real router, as the rollout sends them (one client, one event loop)."""
+def rollout_sides(server, model, batch, new_tokens: int, loop, group: int = 8) -> dict:
+    """The samples through the real router (one client, one event loop): one call each, or one request per
+    ``group`` consecutive rows (the samples of one prompt), as the rollout sends them."""
     from slimecore.engines.router import Router
-    from slimecore.rollout.client import RolloutClient
+    from slimecore.rollout.client import RolloutClient, SharedRequests
 
     router = Router([server.url]).start()
     router.wait_ready(1)
@@ -113,18 +115,25 @@ def rollout_sides(server, model, batch, new_tokens: int, loop) -> dict:
     now = {"max_batch_size": server.max_batch_size, "gather_quiet": server.gather_quiet}
     before = {"max_batch_size": 32, "gather_quiet": server.gather_window}
 
-    def rollout(settings):
+    async def one_group(rows):
+        with SharedRequests():
+            return await asyncio.gather(*(client.generate(p, params) for p in rows))
+
+    def rollout(settings, grouped=False):
         def run():
             for key, value in settings.items():
                 setattr(server, key, value)
 
             async def calls():
-                return await asyncio.gather(*(client.generate(p, params) for p in batch))
+                if not grouped:
+                    return await asyncio.gather(*(client.generate(p, params) for p in batch))
+                groups = await asyncio.gather(*(one_group(batch[i:i + group]) for i in range(0, len(batch), group)))
+                return [out for outs in groups for out in outs]
             return [out["output_ids"] for out in loop.run_until_complete(calls())]
         return run
 
     sides = {"generate": lambda: hf_generate(model, server.pad_id, batch, new_tokens, sample=True),
-             "rollout": rollout(now), "rollout_before": rollout(before)}
+             "rollout_grouped": rollout(now, grouped=True), "rollout": rollout(now), "rollout_before": rollout(before)}
     sides["_close"] = lambda: (loop.run_until_complete(client.close()), router.stop())
     return sides
 

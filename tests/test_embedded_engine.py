@@ -174,8 +174,9 @@ def test_invalid_sampling_params_get_400(embedded_engine, params, words):
 def test_invalid_bodies_get_400_and_router_fields_are_ignored(embedded_engine):
     url = embedded_engine.url
     vocab = embedded_engine.model.config.vocab_size
-    for body in ({}, {"input_ids": []}, {"input_ids": [vocab]}, {"input_ids": [[1], [2]]}, {"text": ["a", "b"]},
-                 {"input_ids": list(range(5)) * 200}):
+    for body in ({}, {"input_ids": []}, {"input_ids": [vocab]}, {"input_ids": list(range(5)) * 200}, [{"input_ids": [1]}],
+                 {"text": []}, {"input_ids": [[1], [vocab]]}, {"input_ids": [[1], [2]], "rid": "one"},
+                 {"input_ids": [[1], [2]], "sampling_params": [{}]}, {"input_ids": [[1], [2]], "rid": ["a", "a"]}):
         status, answer = http_json("POST", url + "/generate", body)
         assert status == 400 and answer["error"]["message"], body
     extra = {"model": None, "log_metrics": True, "return_text_in_logprobs": False, "stream": False,
@@ -191,6 +192,29 @@ def test_invalid_bodies_get_400_and_router_fields_are_ignored(embedded_engine):
         assert status == 400 and body["success"] is False and field in body["message"]
     assert http_json("POST", url + "/release_memory_occupation", {"tags": ["bogus"]})[0] == 400
     assert http_json("GET", url + "/v1/loads?include=bogus")[0] == 400
+
+
+def test_a_batch_request_answers_each_prompt_as_its_own_request_would(embedded_engine):
+    """SGLang's batch form: a list of prompts, per-prompt or shared fields, a list of answers in order."""
+    url, greedy = embedded_engine.url, {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    prompts = [[5, 6, 7], [9], [10, 11, 12, 13]]
+    alone = [generate(embedded_engine, p, **greedy) for p in prompts]
+    calls = embedded_engine.stats["generate_calls"]
+    status, answers = http_json("POST", url + "/generate", {"input_ids": prompts, "sampling_params": greedy,
+                                                            "return_logprob": [True, False, True],
+                                                            "rid": ["r0", "r1", "r2"]})
+    assert status == 200 and isinstance(answers, list) and len(answers) == 3, answers
+    assert embedded_engine.stats["generate_calls"] == calls + 1
+    for one, answer, rid in zip(alone, answers, ["r0", "r1", "r2"]):
+        assert answer["output_ids"] == one["output_ids"] and answer["meta_info"]["id"] == rid
+    assert "output_token_logprobs" not in answers[1]["meta_info"]
+    assert [e[0] for e in answers[2]["meta_info"]["output_token_logprobs"]] == pytest.approx(
+        [e[0] for e in alone[2]["meta_info"]["output_token_logprobs"]], abs=1e-5)
+    params = [dict(greedy, max_new_tokens=1), dict(greedy, max_new_tokens=4)]
+    status, answers = http_json("POST", url + "/generate", {"text": ["What is 2 + 2?", "Hi"], "sampling_params": params})
+    assert status == 200 and [a["meta_info"]["completion_tokens"] for a in answers] == [1, 4]
+    status, answer = http_json("POST", url + "/generate", {"input_ids": [[1], [2, 3]], "sampling_params": {"n": 2}})
+    assert status == 400 and answer["error"]["message"].startswith("batch entry 0: n > 1"), answer
 
 
 def test_concurrent_requests_share_a_wave_and_match_unpadded_forwards(embedded_engine):
@@ -432,7 +456,7 @@ def test_seeded_sampling_repeats_and_logit_adjustments_apply(embedded_engine):
 
 
 def test_engine_actor_under_ray(ray_session, tiny_checkpoint):
-    from slimecore.engines.embedded import launch_embedded_engines
+    from slimecore.engines.embedded_actors import launch_embedded_engines
 
     (actor, url), = launch_embedded_engines(1, str(tiny_checkpoint), num_cpus=0.5, timeout=scaled(120))
     try:

@@ -10,7 +10,8 @@ import pytest
 from fixtures_engine import http_json
 
 from slimecore.engines.router import Router, free_port
-from slimecore.rollout.client import EngineError, RolloutClient
+from slimecore.engines.sglang_schema import class_fields
+from slimecore.rollout.client import EngineError, RolloutClient, SharedRequests
 from slimecore.testing import timeout as scaled
 
 
@@ -46,6 +47,83 @@ def test_bad_requests_raise_at_once_with_the_engine_message(engines):
     with pytest.raises(EngineError, match=r"HTTP 400.*temperature"):
         client.run_sync(client.generate([1, 2], {"temperature": -1}))
     assert time.perf_counter() - start < 2  # not retried
+
+
+def test_shared_requests_send_a_group_as_one_batch_through_the_router(engines):
+    """Inside SharedRequests, calls made together with the same params go out as one SGLang batch request
+    (through the real router); each caller gets what its own request would have got."""
+    servers, router = engines
+    client = RolloutClient(router.url)
+    greedy = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    prompts = [[5, 6, 7], [9], [10, 11, 12, 13], [5, 6, 7]]
+    alone = [client.run_sync(client.generate(p, greedy)) for p in prompts]
+    sent = []
+    original = client._request
+
+    async def recording(method, url, body=None, **kwargs):
+        sent.append(body)
+        return await original(method, url, body, **kwargs)
+
+    client._request = recording
+    calls = sum(s.stats["generate_calls"] for s in servers)
+
+    async def group():
+        with SharedRequests():
+            tasks = [asyncio.ensure_future(client.generate(p, greedy)) for p in prompts]
+            tasks.append(asyncio.ensure_future(client.generate([9], dict(greedy, max_new_tokens=2))))  # other params
+            tasks.append(asyncio.ensure_future(client.generate([9], greedy, rid="mine")))  # its own rid: alone
+            late = asyncio.ensure_future(client.generate([1, 2], greedy))
+            await asyncio.sleep(0)
+            late.cancel()  # its caller gave up before the request went out: not sent
+            outs = await asyncio.gather(*tasks)
+        alone_out = await client.generate([9], greedy)  # outside the block: its own request
+        await client.close()
+        return outs, late, alone_out
+
+    outs, late, alone_out = asyncio.run(group())
+    assert [o["output_ids"] for o in outs[:4]] == [a["output_ids"] for a in alone]
+    assert len(outs[4]["output_ids"]) == 2 and outs[5]["meta_info"]["id"] == "mine"
+    assert late.cancelled() and alone_out["output_ids"] == alone[1]["output_ids"]
+    assert sum(s.stats["generate_calls"] for s in servers) - calls == 4 == len(sent)
+    batch = next(body for body in sent if isinstance(body["input_ids"][0], list))
+    assert batch["input_ids"] == prompts and batch["sampling_params"] == greedy and "rid" not in batch
+    assert sorted((b["input_ids"], b["sampling_params"]["max_new_tokens"], b.get("rid", "")) for b in sent if b is not batch) \
+        == [([9], 2, ""), ([9], 3, ""), ([9], 3, "mine")]
+    fields = class_fields("srt.managers.io_struct", "GenerateReqInput")
+    assert fields is None or set(batch) <= set(fields)  # SGLang's own request class has each field we send
+
+    async def bad_group():
+        with SharedRequests():
+            return await asyncio.gather(*(client.generate(p, {"temperature": -1}) for p in prompts[:2]),
+                                        return_exceptions=True)
+
+    errors = client.run_sync(bad_group())
+    assert all(isinstance(e, EngineError) and "HTTP 400" in str(e) and "temperature" in str(e) for e in errors)
+
+
+def test_a_shared_request_whose_callers_all_gave_up_is_cancelled(engines):
+    servers, router = engines
+    client = RolloutClient(router.url)
+    shared = SharedRequests()
+
+    async def scenario():
+        with shared:
+            tasks = [asyncio.ensure_future(client.generate([5, 6, 7], {"max_new_tokens": 400, "ignore_eos": True}))
+                     for _ in range(2)]
+        while sum(s.loads()["num_running_reqs"] for s in servers) < 2:
+            await asyncio.sleep(0.01)
+        assert len(shared._sending) == 1
+        tasks[0].cancel()
+        await asyncio.sleep(0.05)
+        assert len(shared._sending) == 1  # the other caller still waits for it
+        tasks[1].cancel()
+        await asyncio.sleep(0.05)
+        assert not shared._sending  # no caller left: the HTTP request was cancelled
+        await client.abort_all(timeout=scaled(30))
+        await client.close()
+        return [t.cancelled() for t in tasks]
+
+    assert asyncio.run(scenario()) == [True, True]
 
 
 def test_unreachable_and_5xx_are_retried_then_named(tmp_path, engines):

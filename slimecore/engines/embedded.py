@@ -297,7 +297,7 @@ class EmbeddedServer:
         self.weight_version = "default"
         self.ready = False
         self.generator = torch.Generator().manual_seed(seed)
-        self.stats = {"waves": 0, "joined": 0, "last_wave_size": 0, "max_wave_size": 0}
+        self.stats = {"waves": 0, "joined": 0, "last_wave_size": 0, "max_wave_size": 0, "generate_calls": 0}
         # request ids as unique as uuid4's without a system call per request (6% of the serving loop's time)
         self._rid_prefix, self._rid_count = uuid.uuid4().hex[:16], itertools.count()
         self._cond = threading.Condition()  # guards the queues below; notified on every change
@@ -564,13 +564,51 @@ class EmbeddedServer:
         return None
 
     # -- requests ----------------------------------------------------------------------------
+    def new_requests(self, body: dict) -> tuple[list[Request], bool]:
+        """Validate a /generate body, single or batch form; returns (its requests, whether it is a batch).
+
+        The batch form is SGLang's: ``input_ids`` a list of token lists (or ``text`` a list of strings), and
+        ``sampling_params``, ``return_logprob``, ``logprob_start_len`` and ``rid`` either one value for every
+        prompt or a list with one entry per prompt (``rid`` only as a list); the answer is a list of responses
+        in the prompts' order."""
+        if not isinstance(body, dict):
+            raise BadRequest("the body must be a JSON object")
+        ids, text = body.get("input_ids"), body.get("text")
+        if not (isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))):
+            return [self.new_request(body)], False
+        prompts = text if isinstance(text, list) else ids
+        if not prompts:
+            raise BadRequest("a batch request needs at least one prompt")
+        if body.get("rid") is not None and not isinstance(body["rid"], list):
+            raise BadRequest("The rid should be a list for batch processing.")
+        singles = [dict(body) for _ in prompts]
+        key = "text" if isinstance(text, list) else "input_ids"
+        for key_name in (key, "sampling_params", "return_logprob", "logprob_start_len", "rid"):
+            value = body.get(key_name)
+            if key_name == key or isinstance(value, list):
+                if len(value) != len(prompts):
+                    raise BadRequest(f"{key_name} has {len(value)} entries for {len(prompts)} prompts; give one "
+                                     "per prompt, or one value for all")
+                for single, entry in zip(singles, value):
+                    single[key_name] = entry
+        rids = [s["rid"] for s in singles if s.get("rid") is not None]
+        if len(set(rids)) < len(rids):
+            raise BadRequest("Duplicate request ID detected in the batch")
+        requests = []
+        for i, single in enumerate(singles):
+            try:
+                requests.append(self.new_request(single))
+            except BadRequest as exc:
+                raise BadRequest(f"batch entry {i}: {exc}") from None
+        return requests, True
+
     def new_request(self, body: dict) -> Request:
         """Validate a single-form /generate body (unknown top-level keys are ignored, as SGLang does)."""
         if not isinstance(body, dict):
-            raise BadRequest("the body must be one JSON object (batch requests are not supported)")
+            raise BadRequest("the body must be a JSON object")
         ids = body.get("input_ids")
         if isinstance(body.get("text"), list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
-            raise BadRequest("batch requests are not supported by the CPU embedded engine; send one per prompt")
+            raise BadRequest("a batch body here; this call takes one prompt")
         if ids is not None and not isinstance(ids, list):
             raise BadRequest("input_ids must be a list of token ids")
         params = validate_sampling_params(body.get("sampling_params") or {})
@@ -602,13 +640,19 @@ class EmbeddedServer:
 
     def submit(self, request: Request) -> Request:
         """Queue a request (held aside while paused); ``request.done`` is set when its response is ready."""
-        with self._cond:
-            if request.rid in self._inflight:
-                raise BadRequest(f"Duplicate request ID detected: {request.rid}")
-            self._inflight[request.rid] = request
-            (self._queue if self.unpaused.is_set() else self._held).append(request)
-            self._cond.notify_all()
+        self.submit_all([request])
         return request
+
+    def submit_all(self, requests: list[Request]) -> None:
+        """Queue a batch's requests together, or none of them when one's rid is already in flight."""
+        with self._cond:
+            for request in requests:
+                if request.rid in self._inflight:
+                    raise BadRequest(f"Duplicate request ID detected: {request.rid}")
+            for request in requests:
+                self._inflight[request.rid] = request
+            (self._queue if self.unpaused.is_set() else self._held).extend(requests)
+            self._cond.notify_all()
 
     def abort(self, rid: str | None = None, abort_all: bool = False) -> None:
         """SGLang's /abort_request: every request in the scheduler, or, when ``rid`` is in flight, every
@@ -962,98 +1006,3 @@ class EmbeddedServer:
                 "has_image_understanding": False, "has_audio_understanding": False,
                 "model_type": getattr(config, "model_type", None),
                 "architectures": getattr(config, "architectures", None)}
-
-
-class EmbeddedEngineActor:
-    """Ray actor holding one EmbeddedServer (create it with ``launch_embedded_engines``). ``host="node"``
-    binds the address of the node it runs on (multi-node runs), anything else is used as given."""
-
-    def __init__(self, model_path: str, max_batch_size: int = 64, seed: int = 0, num_threads: int = 1,
-                 dtype: str = "float32", host: str = "127.0.0.1", api_key: str | None = None):
-        if host == "node":
-            import ray
-
-            host = ray.util.get_node_ip_address()
-        torch.set_num_threads(num_threads)
-        self.server = EmbeddedServer(model_path, host=host, max_batch_size=max_batch_size, seed=seed,
-                                     num_threads=num_threads, dtype=dtype, api_key=api_key)
-
-    def start(self) -> str:
-        return self.server.start()
-
-    def load_weights(self, named_tensors, weight_version: str) -> str:
-        return self.server.load_weights(named_tensors, weight_version)
-
-    def health(self, timeout: float = 5) -> bool:
-        return self.server.ready
-
-    def weights_digest(self) -> dict[str, str]:
-        return self.server.weights_digest()
-
-    def shutdown(self) -> None:
-        self.server.stop()
-
-
-class EmbeddedEngines:
-    """The lifecycle of the embedded engine actors that ``slimecore.engines.fleet`` drives: engine i runs in
-    bundle ``bundle_indices[i]`` of the placement group with seed ``seed + i``; a restarted engine takes
-    the same bundle and seed."""
-
-    def __init__(self, model_path: str, num_cpus: float = 0.5, placement_group=None,
-                 bundle_indices: list[int] | None = None, timeout: float = 120, seed: int = 0, num_threads: int = 1,
-                 max_batch_size: int = 64, host: str = "127.0.0.1"):
-        self.model_path, self.num_cpus, self.placement_group = model_path, num_cpus, placement_group
-        self.bundle_indices, self.timeout, self.seed = bundle_indices, timeout, seed
-        self.num_threads, self.max_batch_size, self.host = num_threads, max_batch_size, host
-
-    def start(self, indices: list[int]) -> list[tuple[object, str]]:
-        """Start engines ``indices`` together and wait until all serve; returns ``[(actor, url), ...]``."""
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from slimecore.raytools import ray_get
-
-        if self.placement_group is not None and (self.bundle_indices is None
-                                                 or len(self.bundle_indices) <= max(indices, default=-1)):
-            raise ValueError(f"engines {list(indices)} in a placement group need a bundle index each, "
-                             f"got {self.bundle_indices}")
-        actor_cls = ray.remote(EmbeddedEngineActor)
-        actors = []
-        for i in indices:
-            options = {"num_cpus": self.num_cpus}
-            if self.placement_group is not None:
-                options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                    self.placement_group, placement_group_bundle_index=self.bundle_indices[i])
-            actors.append(actor_cls.options(**options).remote(self.model_path, max_batch_size=self.max_batch_size,
-                                                              seed=self.seed + i, num_threads=self.num_threads,
-                                                              host=self.host))
-        urls = ray_get([a.start.remote() for a in actors],
-                       f"{len(actors)} embedded engine(s) to load {self.model_path}", self.timeout)
-        return list(zip(actors, urls))
-
-    def load_weights(self, actor, url: str, weights, version: str) -> None:
-        """Blocking: the weights a ``RolloutManager.update_weights`` got: ``[ref]`` (the object store) or a
-        directory, which goes through the engine's ``/update_weights_from_disk`` as on any SGLang server."""
-        import ray
-
-        from slimecore.engines.fleet import post_update_weights_from_disk
-
-        if isinstance(weights, (str, Path)):
-            post_update_weights_from_disk(url, str(weights), version)
-        else:
-            ray.get(actor.load_weights.remote(weights[0], version))
-
-    def shutdown(self, actor) -> None:
-        """Kill at once (a hung engine cannot answer a polite shutdown); its open connections close."""
-        import ray
-
-        ray.kill(actor)
-
-
-def launch_embedded_engines(n: int, model_path: str, num_cpus: float = 0.5, placement_group=None,
-                            bundle_indices: list[int] | None = None, timeout: float = 120, seed: int = 0,
-                            num_threads: int = 1, max_batch_size: int = 64) -> list[tuple[object, str]]:
-    """Start ``n`` engine actors (engine i in bundle ``bundle_indices[i]`` of the placement group, seed
-    ``seed + i``) and wait until all serve; returns ``[(actor, url), ...]``."""
-    return EmbeddedEngines(model_path, num_cpus, placement_group, bundle_indices, timeout, seed, num_threads,
-                           max_batch_size).start(list(range(n)))

@@ -75,19 +75,24 @@ def build_app(server) -> web.Application:
             return _error("the engine is still loading", 503)
         if (blocked := server.generation_blocker()) is not None:
             return _error(blocked)
+        server.stats["generate_calls"] += 1
         try:
-            req = server.new_request(await body(request))
+            reqs, batch = server.new_requests(await body(request))
         except BadRequest as exc:
             return _error(str(exc))
         if not server.unpaused.is_set():
             await asyncio.to_thread(server.unpaused.wait)  # paused: hold new requests, don't reject them
-        finished = req.finished()
-        server.submit(req)
-        await finished
-        reason = req.finish_reason or {}
-        if reason.get("status_code") == 500:
-            return _error(reason["message"], 500)
-        return web.json_response(server.response(req))
+        finished = [req.finished() for req in reqs]
+        try:
+            server.submit_all(reqs)
+        except BadRequest as exc:  # a rid already in flight: nothing was queued
+            return _error(str(exc))
+        await asyncio.gather(*finished)
+        for req in reqs:
+            if (req.finish_reason or {}).get("status_code") == 500:
+                return _error(req.finish_reason["message"], 500)
+        answers = [server.response(req) for req in reqs]
+        return web.json_response(answers if batch else answers[0])
 
     @routes.post("/abort_request")
     async def abort_request(request):

@@ -16,6 +16,7 @@ import math
 import time
 
 from slimecore.plugins import HookCallError, PluginError
+from slimecore.rollout.client import SharedRequests
 from slimecore.types import Sample, Status
 
 log = logging.getLogger("slimecore.rollout")
@@ -59,7 +60,8 @@ class GroupRunner:
         self.reward_time = 0.0  # seconds spent in reward hooks, summed over samples (they overlap)
 
     async def run(self, group: list[Sample]) -> list[Sample]:
-        results = await asyncio.gather(*(self._generate(s) for s in group))
+        with SharedRequests():  # the group's samples go to the engine in one request (they finish together anyway)
+            results = await asyncio.gather(*(self._generate(s) for s in group))
         samples = [s for r in results for s in (r if isinstance(r, list) else [r])]
         for sample in samples:
             await self.sample_hooks.process_sample(config=self.config, sample=sample, rollout_id=self.rollout_id,
