@@ -212,7 +212,7 @@ def test_client_error_after_retries_names_url():
 
 
 def test_launch_embedded_engines_under_ray(ray_session, tiny_checkpoint):
-    from slimecore.engines.embedded import launch_embedded_engines
+    from slimecore.engines.embedded_actors import launch_embedded_engines
 
     (actor, url), = launch_embedded_engines(1, str(tiny_checkpoint), num_cpus=0.5, timeout=scaled(120))
     try:

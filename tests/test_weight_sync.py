@@ -20,7 +20,7 @@ PROMPT = [5, 17, 33, 9]
 
 @pytest.fixture(scope="module")
 def engine_actor(ray_session, tiny_checkpoint):
-    from slimecore.engines.embedded import launch_embedded_engines
+    from slimecore.engines.embedded_actors import launch_embedded_engines
 
     (actor, url), = launch_embedded_engines(1, str(tiny_checkpoint), num_cpus=0.5, timeout=120)
     yield actor, url
@@ -216,7 +216,7 @@ def test_kept_shared_buffer_serves_engines_that_join_later(ray_session, tiny_che
     """Tensor pushes from one sender (its shared buffer kept across buckets and syncs) to engines in other
     processes: two engines twice, then an engine started later (as one restarted after a fault) together with
     them. Every engine opens the kept buffer and serves the pushed weights bit for bit."""
-    from slimecore.engines.embedded import launch_embedded_engines
+    from slimecore.engines.embedded_actors import launch_embedded_engines
 
     engines = launch_embedded_engines(3, str(tiny_checkpoint), num_cpus=0.1, timeout=180)
     sender = WeightSender(bucket_bytes=64 * 1024, timeout=120)
@@ -247,7 +247,7 @@ def test_weights_in_shared_memory_reach_every_engine_without_a_copy(ray_session,
     (the sender makes no copy buffer), every engine serves them bit for bit under the pushed version, and
     the next push after an in-place update (as the optimizer's) reaches the engines through the mapping they
     kept. An engine that cannot be reached is named."""
-    from slimecore.engines.embedded import launch_embedded_engines
+    from slimecore.engines.embedded_actors import launch_embedded_engines
 
     model = trainer_model(tiny_checkpoint, seed=30)
     before = weight_sync.digest(model.state_dict().items())

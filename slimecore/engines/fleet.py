@@ -110,8 +110,13 @@ class EngineFleet:
         """Start the engines (or take ``engines``, ``lifecycle.start`` of every index, already done), then the
         router in front of them and the monitor."""
         self.engines = engines if engines is not None else self.lifecycle.start(list(range(self.n)))
-        self.router.worker_urls = self.urls
-        self.router.start()
+        if self.router.process is not None and self.router.process.poll() is None:  # spawned while they loaded
+            self.router.wait_ready(0)
+            for url in self.urls:
+                self.router.add_worker(url)
+        else:
+            self.router.worker_urls = self.urls
+            self.router.start()
         if self.health_check:
             self._threads = [threading.Thread(target=self._guarded, args=(watch,), name=f"slimecore-{name}", daemon=True)
                              for name, watch in (("engine-monitor", self._watch_engines),

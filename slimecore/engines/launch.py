@@ -36,7 +36,7 @@ class EngineLauncher:
 
             return ray.remote(SGLangEngineActor).options(**options).remote(
                 c.to_dict(), index, host=self.host, api_key=self.api_key, log_dir=self.log_dir)
-        from slimecore.engines.embedded import EmbeddedEngineActor
+        from slimecore.engines.embedded_actors import EmbeddedEngineActor
 
         return ray.remote(EmbeddedEngineActor).options(**options).remote(
             c.hf_checkpoint, seed=c.seed + index, num_threads=torch_threads(c), host=self.host, api_key=self.api_key)

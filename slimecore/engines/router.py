@@ -127,6 +127,18 @@ class Router:
         return f"http://{self.host}:{self.port}"
 
     def start(self) -> Router:
+        """Start the router and return once ``/readiness`` reports every worker healthy (see the class)."""
+        self.spawn()
+        try:
+            self.wait_ready(len(self.worker_urls))
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def spawn(self) -> Router:
+        """Start the router's process and return at once (``start`` waits for it): a router spawned with no
+        workers while the engines load is up when they are, and takes them with ``add_worker``."""
         args = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(self.port),
                 "--policy", self.policy, "--log-level", "warn", "--prometheus-port", str(free_port()),
                 "--worker-startup-timeout-secs", str(max(1, int(self.startup_timeout))),
@@ -136,11 +148,6 @@ class Router:
         if self.api_key:
             args += option("--api-key", self.api_key)  # a random key may start with "-"
         self.process, self._log = spawn_logged(args, self.log_path)
-        try:
-            self.wait_ready(len(self.worker_urls))
-        except BaseException:
-            self.stop()
-            raise
         return self
 
     def log_tail(self, lines: int = 20) -> str:

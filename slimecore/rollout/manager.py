@@ -40,18 +40,24 @@ class RolloutManager:
         torch.set_num_threads(1)
         self.hooks = load_for_config(config)
         self.hooks.slime_startup(config=config, process="rollout")
-        from slimecore.hf_checkpoint import load_tokenizer
+        router = self._spawn_router() if engines is not None else None
+        try:
+            from slimecore.hf_checkpoint import load_tokenizer
 
-        self.tokenizer = load_tokenizer(config.hf_checkpoint)
-        self.data_source = self.hooks.slime_data_source(config=config, tokenizer=self.tokenizer,
-                                                        buffer_filter=buffer_filter(self.hooks, config))
-        self.sample_hooks = SampleHooks(self.hooks)
-        self.loop = aio.new_event_loop()
-        self._states: dict[int, dict] = {}  # data-source state after each generated step (for checkpoints)
-        self._eval_sources: dict[str, object] = {}
-        self._retries_logged = 0
-        if engines is not None:
-            self._start_engines(engines.result())
+            self.tokenizer = load_tokenizer(config.hf_checkpoint)
+            self.data_source = self.hooks.slime_data_source(config=config, tokenizer=self.tokenizer,
+                                                            buffer_filter=buffer_filter(self.hooks, config))
+            self.sample_hooks = SampleHooks(self.hooks)
+            self.loop = aio.new_event_loop()
+            self._states: dict[int, dict] = {}  # data-source state after each generated step (for checkpoints)
+            self._eval_sources: dict[str, object] = {}
+            self._retries_logged = 0
+            if engines is not None:
+                self._start_engines(engines.result(), router)
+        except BaseException:
+            if router is not None and self.fleet is None:
+                router.stop()
+            raise
 
     # -- engines ---------------------------------------------------------------------------
     def _launch_engines(self, placement_group, engine_bundles):
@@ -72,16 +78,20 @@ class RolloutManager:
         pool.shutdown(wait=False)  # the thread ends with the start; nothing else runs on it
         return started
 
-    def _start_engines(self, engines: list) -> None:
-        """The router in front of the started ``engines``, the fleet's monitor, the rollout client."""
-        from slimecore.engines.fleet import EngineFleet
+    def _spawn_router(self):
+        """The router's process, started while the engines load (it takes them once they serve)."""
         from slimecore.engines.router import Router
-        from slimecore.rollout.client import RolloutClient
 
-        c, router_bind = self.config, self.router_bind
         # agent sessions send their id as the router's routing key; the manual policy keeps a key on one engine
         policy = "manual" if self.hooks.implementers("slime_agent") else "round_robin"
-        router = Router([], host=router_bind, api_key=self.api_key, policy=policy)
+        return Router([], host=self.router_bind, api_key=self.api_key, policy=policy).spawn()
+
+    def _start_engines(self, engines: list, router) -> None:
+        """The ``router`` in front of the started ``engines``, the fleet's monitor, the rollout client."""
+        from slimecore.engines.fleet import EngineFleet
+        from slimecore.rollout.client import RolloutClient
+
+        c = self.config
         self.fleet = EngineFleet(self.launcher, self.launcher.count, router,
                                  health_check=c.use_fault_tolerance,
                                  check_interval=c.rollout_health_check_interval,
@@ -104,10 +114,12 @@ class RolloutManager:
         """Where train rank 0 pushes weights (``slimecore.trainers.weight_sender.Endpoint`` per engine)."""
         return [self.launcher.endpoint(url) for _, url in self.engines]
 
-    def pause_for_update(self) -> None:
+    def pause_for_update(self) -> list:
         """Pause generation and flush every engine's cache before a weight update (a call queued behind a
-        running ``generate`` waits for it: the manager runs one call at a time)."""
+        running ``generate`` waits for it: the manager runs one call at a time); returns the paused engines'
+        ``weight_endpoints`` (one call less per step for the driver)."""
         self.loop.run_until_complete(self.client.pause_for_update())
+        return self.weight_endpoints()
 
     def resume_after_update(self, version: int, trainer_push: bool = False) -> None:
         """``trainer_push``: the trainers pushed ``version`` themselves (they can push again to an engine
