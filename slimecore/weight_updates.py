@@ -40,8 +40,8 @@ def sync_weights(config: Config, train, rollout, version: int) -> float:
         seconds = ray_get(rollout.update_weights.remote(weights, version), f"engines to load weights v{version}", wait)
         shutil.rmtree(Path(config.log_dir) / "weights" / f"v{version - 1}", ignore_errors=True)  # keep the newest
         return seconds
-    endpoints = ray_get(rollout.weight_endpoints.remote(), "the engines' addresses", wait)
-    ray_get(rollout.pause_for_update.remote(), "the engines to pause and flush before a weight update", wait)
+    endpoints = ray_get(rollout.pause_for_update.remote(), "the engines to pause and flush before a weight update",
+                        wait)
     transport = resolve_transport(config, endpoints)
     figures = train.push_weights(endpoints, version, transport)
     ray_get(rollout.resume_after_update.remote(version, True), "the engines to continue generating", wait)
