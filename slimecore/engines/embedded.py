@@ -121,6 +121,12 @@ class Request:
         return p["top_k"] > 0 or p["top_p"] < 1 or p["min_p"] > 0 or self.generator is not None
 
 
+def _is_batch(body: dict) -> bool:
+    """SGLang's batch form of /generate: ``text`` a list, or ``input_ids`` a list of token lists."""
+    ids = body.get("input_ids")
+    return isinstance(body.get("text"), list) or (isinstance(ids, list) and bool(ids) and isinstance(ids[0], list))
+
+
 def _number(p: dict, key: str, low: float, high: float, integer: bool = False, low_open: bool = False) -> None:
     value = p[key]
     kind = int if integer else (int, float)
@@ -573,10 +579,10 @@ class EmbeddedServer:
         in the prompts' order."""
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
-        ids, text = body.get("input_ids"), body.get("text")
-        if not (isinstance(text, list) or (isinstance(ids, list) and ids and isinstance(ids[0], list))):
+        if not _is_batch(body):
             return [self.new_request(body)], False
-        prompts = text if isinstance(text, list) else ids
+        text = body.get("text")
+        prompts = text if isinstance(text, list) else body["input_ids"]
         if not prompts:
             raise BadRequest("a batch request needs at least one prompt")
         if body.get("rid") is not None and not isinstance(body["rid"], list):
@@ -591,9 +597,6 @@ class EmbeddedServer:
                                      "per prompt, or one value for all")
                 for single, entry in zip(singles, value):
                     single[key_name] = entry
-        rids = [s["rid"] for s in singles if s.get("rid") is not None]
-        if len(set(rids)) < len(rids):
-            raise BadRequest("Duplicate request ID detected in the batch")
         requests = []
         for i, single in enumerate(singles):
             try:
@@ -606,9 +609,9 @@ class EmbeddedServer:
         """Validate a single-form /generate body (unknown top-level keys are ignored, as SGLang does)."""
         if not isinstance(body, dict):
             raise BadRequest("the body must be a JSON object")
-        ids = body.get("input_ids")
-        if isinstance(body.get("text"), list) or (isinstance(ids, list) and ids and isinstance(ids[0], list)):
+        if _is_batch(body):
             raise BadRequest("a batch body here; this call takes one prompt")
+        ids = body.get("input_ids")
         if ids is not None and not isinstance(ids, list):
             raise BadRequest("input_ids must be a list of token ids")
         params = validate_sampling_params(body.get("sampling_params") or {})
@@ -644,11 +647,13 @@ class EmbeddedServer:
         return request
 
     def submit_all(self, requests: list[Request]) -> None:
-        """Queue a batch's requests together, or none of them when one's rid is already in flight."""
+        """Queue a batch's requests together, or none of them when a rid is already in flight or repeated."""
         with self._cond:
+            seen = set()
             for request in requests:
-                if request.rid in self._inflight:
+                if request.rid in self._inflight or request.rid in seen:
                     raise BadRequest(f"Duplicate request ID detected: {request.rid}")
+                seen.add(request.rid)
             for request in requests:
                 self._inflight[request.rid] = request
             (self._queue if self.unpaused.is_set() else self._held).extend(requests)

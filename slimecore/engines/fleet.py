@@ -110,7 +110,7 @@ class EngineFleet:
         """Start the engines (or take ``engines``, ``lifecycle.start`` of every index, already done), then the
         router in front of them and the monitor."""
         self.engines = engines if engines is not None else self.lifecycle.start(list(range(self.n)))
-        if self.router.process is not None and self.router.process.poll() is None:  # spawned while they loaded
+        if self.router.running:  # spawned while they loaded
             self.router.wait_ready(0)
             for url in self.urls:
                 self.router.add_worker(url)
@@ -233,7 +233,7 @@ class EngineFleet:
         """Apart from the engines' checks, so a router that dies while an engine reloads comes back at once."""
         while not self._stop.wait(0.5):
             with self._router_lock:
-                if self.router.process is not None and self.router.process.poll() is not None:
+                if self.router.process is not None and not self.router.running:
                     self._restart_router()
 
     def _restart_router(self) -> None:

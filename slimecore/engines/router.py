@@ -150,6 +150,11 @@ class Router:
         self.process, self._log = spawn_logged(args, self.log_path)
         return self
 
+    @property
+    def running(self) -> bool:
+        """Its process was started and has not exited."""
+        return self.process is not None and self.process.poll() is None
+
     def log_tail(self, lines: int = 20) -> str:
         """The last lines of the router's log, without its terminal colour codes."""
         return log_tail(self.log_path, lines)
