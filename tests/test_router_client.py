@@ -234,3 +234,25 @@ def test_an_api_key_that_starts_with_a_dash_reaches_router_and_engine(tiny_check
             assert len(out["meta_info"]["output_token_logprobs"]) == 2
         finally:
             router.stop()
+
+
+def test_the_router_process_is_sglang_routers_own_launch(tmp_path):
+    """``Router.spawn`` runs the sglang-router as its launcher does (its arguments, its process title), without
+    the launcher's Python load balancer: a bad argument is refused by the router's own parser."""
+    import subprocess
+    import sys
+
+    router = Router([], log_dir=str(tmp_path)).spawn()
+    try:
+        router.wait_ready(0, timeout=scaled(60))
+        assert open(f"/proc/{router.process.pid}/cmdline").read().startswith("sglang::router")
+    finally:
+        router.stop()
+    bad = subprocess.run([sys.executable, "-m", "slimecore.engines.router_process", "--policy", "nope"],
+                         capture_output=True, text=True, timeout=scaled(60))
+    assert bad.returncode == 2 and "--policy: invalid choice: 'nope'" in bad.stderr
+    assert "sglang_router.mini_lb" not in subprocess.run(
+        [sys.executable, "-c", "import sys, runpy; sys.argv = ['x', '--help']\n"
+         "try:\n runpy.run_module('slimecore.engines.router_process', run_name='__main__')\n"
+         "except SystemExit:\n pass\nprint(' '.join(sys.modules))"], capture_output=True, text=True,
+        timeout=scaled(60)).stdout

@@ -1,4 +1,5 @@
-"""The real sglang-router (``python -m sglang_router.launch_router``) in front of the engines.
+"""The real sglang-router in front of the engines, in a process of its own (``router_process``: what
+``python -m sglang_router.launch_router`` runs, minus its Python load balancer's imports).
 
 Readiness is ``GET /readiness`` reporting every worker healthy: the router's ``/health`` answers 200
 before any worker has registered, so it proves nothing. Workers are added with ``POST /workers``
@@ -139,7 +140,7 @@ class Router:
     def spawn(self) -> Router:
         """Start the router's process and return at once (``start`` waits for it): a router spawned with no
         workers while the engines load is up when they are, and takes them with ``add_worker``."""
-        args = [sys.executable, "-m", "sglang_router.launch_router", "--host", self.host, "--port", str(self.port),
+        args = [sys.executable, "-m", "slimecore.engines.router_process", "--host", self.host, "--port", str(self.port),
                 "--policy", self.policy, "--log-level", "warn", "--prometheus-port", str(free_port()),
                 "--worker-startup-timeout-secs", str(max(1, int(self.startup_timeout))),
                 "--health-check-interval-secs", str(self.health_check_interval)]
