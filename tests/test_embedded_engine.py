@@ -470,3 +470,31 @@ def test_engine_actor_under_ray(ray_session, tiny_checkpoint):
         ray_session.get(actor.shutdown.remote(), timeout=scaled(30))
     finally:
         ray_session.kill(actor)
+
+
+def test_engine_weights_are_not_views_of_the_checkpoint_file(tiny_checkpoint):
+    """transformers loads same-dtype weights as copy-on-write views of the mapped safetensors file; the engine
+    copies them once at load, so the weight update before the first rollout writes memory of its own instead
+    of copying the file page by page on faults."""
+    from transformers import AutoModelForCausalLM
+
+    from slimecore.engines.embedded import _own_weights
+
+    def file_backed(model) -> int:
+        spans = []
+        for line in open("/proc/self/maps"):
+            fields = line.split()
+            if len(fields) >= 6 and fields[5].endswith(".safetensors"):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                spans.append((start, end))
+        return sum(any(s <= p.data_ptr() < e for s, e in spans) for p in model.parameters())
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_checkpoint), dtype=torch.float32)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    if file_backed(model) == 0:
+        pytest.skip("this transformers copies the weights on load: nothing maps the checkpoint file")
+    _own_weights(model)
+    assert file_backed(model) == 0
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+    if model.config.tie_word_embeddings:
+        assert model.lm_head.weight is model.model.embed_tokens.weight

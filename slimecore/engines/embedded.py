@@ -283,6 +283,16 @@ class _Batch:
         self.logits = torch.cat([self.logits, other.logits])
 
 
+def _own_weights(model: torch.nn.Module) -> None:
+    """Give every CPU parameter memory of its own. transformers maps the safetensors file and loads weights of
+    the file's dtype as copy-on-write views of it, so the first weight update (the one before the first
+    rollout) would copy each 4 KiB page on a fault: 0.6 s for SmolLM2-135M on a 2-core machine, against 0.17 s
+    for one copy here, made while the trainer still loads."""
+    for param in model.parameters():
+        if param.device.type == "cpu":
+            param.data = param.data.clone()
+
+
 class EmbeddedServer:
     """One CPU engine: an HF causal LM from a local directory, served over SGLang's HTTP API.
 
@@ -373,6 +383,7 @@ class EmbeddedServer:
         torch.set_num_threads(self.num_threads)
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path)
         self.model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype).eval()
+        _own_weights(self.model)
         # transformers >= 5.2x names the KV cache ``cache`` (argument and output); older ones ``past_key_values``
         self.cache_name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.context_len = getattr(self.model.config, "max_position_embeddings", None) or 4096
