@@ -117,8 +117,13 @@ class Job:
             config.to_dict(), self.pg, engine_bundles, tokenizer=shipped)
         # the train ranks load while the manager starts its engines and router: neither waits for the other
         self.trainers = None if config.debug_rollout_only else RoleGroups(config, roles, self.pg, train_bundles)
-        ray_get(self.rollout.__ray_ready__.remote(), "the rollout manager (engines, router, data source) to start",
-                self.wait)
+        try:
+            ray_get(self.rollout.__ray_ready__.remote(), "the rollout manager (engines, router, data source) to start",
+                    self.wait)
+        except BaseException:  # the run ends here: the train ranks end with Ray, their weight files are removed
+            for group in (self.trainers.groups if self.trainers else {}).values():
+                group.unlink_shared_memory()
+            raise
         self.groups = self.trainers.groups if self.trainers else {}
         self.dp_size = self.trainers.actor.dp_size if self.trainers else 1
         self.start, self.version = checkpoint.load(config, self.groups, self.rollout) if config.load else (0, 0)
@@ -205,6 +210,8 @@ class Job:
         if interrupted:  # abandon the step in flight: the actors may be busy with it, so they are killed, not asked
             for actor in [self.rollout, *(a for group in self.groups.values() for a in group.actors)]:
                 ray.kill(actor)  # engines are owned by the manager and die with it, the router with its process
+            for group in self.groups.values():
+                group.unlink_shared_memory()
         else:
             for group in self.groups.values():
                 group.shutdown()

@@ -28,6 +28,11 @@ def _run(args: list[str], timeout: float = scaled(240)) -> None:
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
 
 
+def shm_files() -> set[str]:
+    """torch's shared-memory files (the trainer's weights are one per rank while a run lasts)."""
+    return {p.name for p in Path("/dev/shm").glob("torch_*")}
+
+
 def _metrics(log_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
 
@@ -56,8 +61,10 @@ def test_sync_loop_runs_and_logprobs_match(tiny_checkpoint, tmp_path):
 def test_plugins_load_in_every_process_and_lifecycle_hooks_run(tiny_checkpoint, tmp_path):
     events_file = tmp_path / "events.jsonl"
     recorder = str(Path(__file__).parent / "recorder_plugin.py")
+    before = shm_files()
     _run(_train_args(tiny_checkpoint, tmp_path / "log", "--num-rollout", "2", "--plugin", recorder,
                      "--events-file", str(events_file), "--actor-num-gpus-per-node", "2"))
+    assert shm_files() <= before, "the run left its weights in /dev/shm"
     events = [json.loads(line) for line in events_file.read_text().splitlines()]
     started = {(e["process"], e["pid"]) for e in events if e["event"] == "startup"}
     assert sorted(p for p, _ in started) == ["driver", "rollout", "train", "train"]  # 2 DP ranks

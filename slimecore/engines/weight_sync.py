@@ -125,6 +125,16 @@ def share_weights(module: torch.nn.Module, align: int = 64) -> int:
     return size
 
 
+def shared_file(tensor: torch.Tensor) -> str:
+    """The ``/dev/shm`` file behind a CPU tensor in shared memory under the file-system strategy
+    (:func:`share_weights`). torch's shm manager unlinks such a file when its processes end normally; Ray
+    ends an actor's whole process group, manager included, so the process that ends the actors unlinks it
+    (the mappings stay valid until unmapped)."""
+    with file_system_sharing():
+        _, name, _ = tensor.untyped_storage()._share_filename_cpu_()
+    return "/dev/shm" + (name.decode() if isinstance(name, bytes) else name)
+
+
 def unflatten(flat: torch.Tensor, metadata: Iterable) -> NamedTensors:
     """Views of ``flat`` per metadata entry (SGLang's ``FlattenedTensorBucket.reconstruct_tensors``)."""
     return [(m.name, flat[m.start_idx:m.end_idx].view(m.dtype).reshape(m.shape)) for m in metadata]

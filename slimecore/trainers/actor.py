@@ -174,6 +174,10 @@ class TrainActor:
     def load(self, directory: str) -> None:
         self.backend.load(directory)
 
+    def shared_memory_files(self) -> list[str]:
+        """The ``/dev/shm`` files this rank's weights live in (``slimecore.engines.weight_sync.shared_file``)."""
+        return list(getattr(self.backend, "shared_files", []))
+
     def shutdown(self) -> None:
         if getattr(self, "_sender", None) is not None:
             self._sender.close()
@@ -217,7 +221,9 @@ class TrainGroup:
             from slimecore.trainers.megatron import data_parallel_rank
 
             self.data_ranks = [data_parallel_rank(config, rank, world) for rank in range(world)]
-        self._all("__ray_ready__", what=f"{role} train actors to start")
+        # asked once the ranks are up: the driver unlinks these files when the run ends, however the ranks end
+        self.shared_files = [f for files in self._all("shared_memory_files", what=f"{role} train actors to start")
+                             for f in files]
 
     @property
     def dp_size(self) -> int:
@@ -315,6 +321,16 @@ class TrainGroup:
         ray.wait(refs, num_returns=len(refs), timeout=min(10.0, self.config.ray_timeout))
         for actor in self.actors:
             ray.kill(actor)
+        self.unlink_shared_memory()
+
+    def unlink_shared_memory(self) -> None:
+        """Remove the ranks' shared-memory weight files: Ray ends a rank's whole process group, torch's shm
+        manager with it, which would otherwise leave each run's weights in /dev/shm until reboot."""
+        for path in self.shared_files:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
 
 
 class RoleGroups:

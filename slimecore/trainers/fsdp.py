@@ -174,12 +174,14 @@ class FSDPBackend:
                 lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
         self.model = model.to(self.device)
 
+        self.shared_files: list[str] = []  # /dev/shm files the driver unlinks when the run ends
         if self.sharded:
             self._shard()
         elif self._pushes_from_shared_memory():
-            from slimecore.engines.weight_sync import share_weights
+            from slimecore.engines.weight_sync import share_weights, shared_file
 
             share_weights(self.model)
+            self.shared_files.append(shared_file(next(iter(self.model.state_dict().values()))))
         # Taken before any load(), so the reference is the initial checkpoint; each rank keeps its own shards.
         self._reference = None
         if keep_reference and not config.use_lora:  # LoRA's reference is the model with its adapters disabled
