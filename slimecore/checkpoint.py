@@ -13,8 +13,6 @@ import os
 import shutil
 from pathlib import Path
 
-import torch
-
 from slimecore.raytools import ray_get
 
 MARKER = "latest_checkpointed_iteration.txt"
@@ -44,6 +42,8 @@ def save(config, rollout_id: int, policy_version: int, train_groups: dict, rollo
         train_groups["actor"].save_hf(str(directory / "hf"))
     data_state = ray_get(rollout_manager.data_state.remote(rollout_id), "the rollout manager's data state",
                          config.ray_timeout)
+    import torch  # here, not at the top: the driver imports this module before Ray and needs no torch until then
+
     tmp = directory / f"{COMPLETE}.tmp"
     torch.save({"rollout_id": rollout_id, "data_state": data_state, "policy_version": policy_version}, tmp)
     os.replace(tmp, directory / COMPLETE)
@@ -94,6 +94,8 @@ def load(config, train_groups: dict, rollout_manager) -> tuple[int, int]:
     """Restore the last checkpoint under ``--load``; return (first rollout id to run, policy version)."""
     last = latest_complete(config.load)
     directory = iteration_dir(config.load, last)
+    import torch
+
     state = torch.load(directory / COMPLETE, weights_only=False)
     for role, group in train_groups.items():
         if not (directory / role).is_dir():

@@ -11,8 +11,10 @@ loop (Ray and the rest), ``slimecore.loop.run`` when its caller did not.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
+import sys
 from pathlib import Path
 
 from slimecore.config import Config, ConfigError
@@ -48,14 +50,19 @@ def check_local_placement(config: Config, roles: list) -> None:
     ``ray.init``. On GPUs and on a cluster it joins, ``create_placement`` checks it once Ray is up."""
     from slimecore.raytools import check_placement, cpu_bundles, joins_cluster, local_cpus
 
-    if joins_cluster(config):
-        return
-    import torch
-
-    if torch.cuda.device_count() > 0:
+    if joins_cluster(config) or may_have_gpus():
         return
     bundles, _, _, what = cpu_bundles(config, [role.name for role in roles])
     check_placement(bundles, what, nodes=[{"CPU": float(local_cpus())}])
+
+
+def may_have_gpus() -> bool:
+    """Whether Ray may find GPUs here, without importing torch (1.2 s before Ray): torch's answer when a plugin
+    loaded it, else whether an NVIDIA or AMD GPU device node exists. A wrong yes only leaves the placement check
+    to ``create_placement`` once Ray is up."""
+    if "torch" in sys.modules:
+        return sys.modules["torch"].cuda.device_count() > 0
+    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
 
 
 def check_hook_signatures(hooks: Hooks) -> None:

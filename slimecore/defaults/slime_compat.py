@@ -26,14 +26,16 @@ import os
 import sys
 import weakref
 from argparse import Namespace
+from typing import TYPE_CHECKING
 from urllib.parse import urlparse
-
-import torch
 
 from slimecore import hookimpl
 from slimecore.config import ConfigError, Option
 from slimecore.plugins import active_when
 from slimecore.types import DataSource, FilterResult, RolloutOutput, Sample
+
+if TYPE_CHECKING:  # torch is imported where tensors are made: this plugin loads in the driver, which needs none
+    import torch
 
 NAME = "slimecore.defaults.slime_compat"
 
@@ -445,6 +447,8 @@ def to_slime_batch(batch: dict) -> dict:
     (the packed tokens, ``(1, T)``), ``total_lengths``, ``raw_reward``, besides the shared ones (``advantages``,
     ``returns``, ``log_probs``, ``ref_log_probs``, ``rollout_log_probs``, ``loss_masks``, ``response_lengths``,
     ``rewards``, ``values``, ``rollout_mask_sums``)."""
+    import torch
+
     out = {_SLIME_NAMES.get(key, key): value for key, value in batch.items() if key != "tokens"}
     device = batch["loss_masks"][0].device if batch.get("loss_masks") else None
     out["unconcat_tokens"] = [torch.as_tensor(t, dtype=torch.long, device=device) for t in batch["tokens"]]
@@ -507,6 +511,8 @@ class ResponseLogits:
 def slime_loss(config, role, batch, outputs, reducer):
     if role != "actor":  # slime's custom loss is the policy's: None passes a value model's on to its plugin
         return None
+    import torch
+
     lengths = list(batch["response_lengths"])
 
     def sum_of_sample_mean(x: torch.Tensor) -> torch.Tensor:

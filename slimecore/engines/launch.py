@@ -9,6 +9,7 @@ the engine set changes). Each actor answers ``health(timeout)`` and ``shutdown()
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
 import ray
@@ -16,6 +17,17 @@ import ray
 from slimecore.config import Config, torch_threads
 from slimecore.engines.fleet import post_update_weights_from_disk
 from slimecore.raytools import ENGINE_GPU_SHARE, bundle_options, ray_get
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """How train rank 0 reaches one engine (``slimecore.trainers.weight_sender``): its URL, its TP size (ranks
+    in a weight group) and the run's API key (None on a one-node run). Defined here, with no torch: the driver
+    unpickles the endpoints the rollout manager returns, and needs no torch for it."""
+
+    url: str
+    tp_size: int = 1
+    api_key: str | None = None
 
 
 class EngineLauncher:
@@ -80,10 +92,7 @@ class EngineLauncher:
         """Stop at once, even a hung engine (its actor cannot answer a polite shutdown)."""
         self.stop(actor, timeout=5)
 
-    def endpoint(self, url: str):
-        """The ``slimecore.trainers.weight_sender.Endpoint`` of the engine at ``url`` (imported here: it
-        brings torch, which the rollout manager need not load before it starts the engines)."""
-        from slimecore.trainers.weight_sender import Endpoint
-
+    def endpoint(self, url: str) -> Endpoint:
+        """The :class:`Endpoint` of the engine at ``url``."""
         tp_size = self.config.rollout_num_gpus_per_engine if self.config.rollout_engine == "sglang" else 1
         return Endpoint(url, tp_size, self.api_key)

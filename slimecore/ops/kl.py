@@ -18,7 +18,10 @@ k3, and for low_var_kl a NaN gradient (the clamp's zero gradient times ``exp = i
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # tensor methods only: importing this module (KL_TYPES in a plugin's options) loads no torch
+    import torch
 
 KL_TYPES = ("k1", "k2", "k3", "low_var_kl")
 _MAX_EXPONENT = 88.0  # exp(88) ~ 1.65e38 < fp32 max 3.4e38
@@ -33,7 +36,7 @@ def approx_kl(log_probs: torch.Tensor, base_log_probs: torch.Tensor, kind: str =
     elif kind == "k2":
         kl = delta**2 / 2
     elif kind in ("k3", "low_var_kl"):
-        kl = torch.exp((-delta).clamp(max=_MAX_EXPONENT)) - 1 + delta
+        kl = (-delta).clamp(max=_MAX_EXPONENT).exp() - 1 + delta
     else:
         raise ValueError(f"unknown KL type {kind!r}; --kl-loss-type takes one of {', '.join(KL_TYPES)}")
     if importance_ratio is not None:

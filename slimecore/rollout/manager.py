@@ -113,7 +113,7 @@ class RolloutManager:
         return self.fleet.engines if self.fleet else []
 
     def weight_endpoints(self) -> list:
-        """Where train rank 0 pushes weights (``slimecore.trainers.weight_sender.Endpoint`` per engine)."""
+        """Where train rank 0 pushes weights (``slimecore.engines.launch.Endpoint`` per engine)."""
         return [self.launcher.endpoint(url) for _, url in self.engines]
 
     def pause_for_update(self) -> list:

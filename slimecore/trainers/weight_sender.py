@@ -23,12 +23,12 @@ import logging
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import torch
 
 from slimecore.engines import weight_sync
+from slimecore.engines.launch import Endpoint
 from slimecore.engines.router import free_port, http_json
 
 log = logging.getLogger("slimecore.weights")
@@ -40,16 +40,6 @@ class WeightSyncError(RuntimeError):
 
 class EngineUnreachable(WeightSyncError):
     """An engine could not be reached at all (it died); with fault tolerance the push goes on without it."""
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """How train rank 0 reaches one engine: its URL, its TP size (ranks in a weight group) and the run's
-    API key (None on a one-node run)."""
-
-    url: str
-    tp_size: int = 1
-    api_key: str | None = None
 
 
 class WeightSender:

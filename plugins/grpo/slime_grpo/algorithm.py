@@ -27,8 +27,6 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-import torch
-
 
 def group_normalize(rewards: list[float], group_ids: list, std_normalize: bool, eps: float = 1e-6,
                     excluded: list[bool] | None = None, rollout_ids: list | None = None) -> list[float]:
@@ -36,6 +34,8 @@ def group_normalize(rewards: list[float], group_ids: list, std_normalize: bool, 
     stay out of the statistics and get 0. With ``rollout_ids``, samples of one rollout (an agent episode forked
     into several samples) count once in the mean and std, as the mean of their rewards, so a rollout does not
     weigh more in its group for having forked."""
+    import torch  # here: the plugin's module loads in the driver, which needs no torch (``slime_grpo.plugin``)
+
     groups: dict = defaultdict(list)
     for i, g in enumerate(group_ids):
         if not (excluded and excluded[i]):
