@@ -62,3 +62,27 @@ def test_gpu_bundles_ranks_and_engines(num_gpus, flags, bundles, actor, engines)
     assert [gpu for gpu, _ in placed["critic"]] == actor  # a critic shares the actor's GPUs, as in slime
     assert [gpu for gpu, _ in placed["engines"]] == engines  # each engine's base_gpu_id
     assert all(visible is None for _, visible in placed["actor"] + placed["engines"])
+
+
+def test_the_placement_check_before_ray_asks_no_torch(monkeypatch):
+    """Before Ray, a run that starts its own instance checks a CPU placement only where Ray will find no GPU;
+    without torch loaded (the driver loads none) GPU device nodes decide, and one means the check is left to
+    ``create_placement`` once Ray is up."""
+    import glob
+    import os
+
+    from slimecore import preflight
+    from slimecore.config import Config, ConfigError
+
+    monkeypatch.delitem(sys.modules, "torch", raising=False)  # restored afterwards; the driver has none here
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    too_big = Config.make(num_cpus_per_actor=4096)
+    monkeypatch.setattr(glob, "glob", lambda pattern: [])
+    monkeypatch.setattr(os.path, "exists", lambda path: False)
+    assert not preflight.may_have_gpus()
+    with pytest.raises(ConfigError, match="4096"):
+        preflight.check_local_placement(too_big, [])
+    monkeypatch.setattr(glob, "glob", lambda pattern: ["/dev/nvidia0"] if "nvidia" in pattern else [])
+    assert preflight.may_have_gpus()
+    preflight.check_local_placement(too_big, [])  # a GPU machine: checked after ray.init
+    assert "torch" not in sys.modules
