@@ -14,7 +14,9 @@ was being waited for.
 from __future__ import annotations
 
 import logging
+import importlib
 import signal
+import threading
 import time
 from typing import Callable
 
@@ -110,7 +112,8 @@ class Job:
         init_ray(config)
         # after ray.init, whose driver installs its own SIGTERM handler (it aborts the process, leaving actors behind)
         self.previous_sigterm = signal.signal(signal.SIGTERM, _interrupt) or signal.SIG_DFL
-        self.tracker = Tracker(config, [f"{p.name} ({p.origin})" for p in hooks.plugins])
+        if config.use_tensorboard:  # 2 s of imports (torch with it): on a thread, while the actors start
+            _import_on_a_thread("torch.utils.tensorboard")
         self.pg, train_bundles, engine_bundles = create_placement(config, [role.name for role in roles])
         shipped = None if tokenizer is None else ship_tokenizer(tokenizer)
         self.rollout = ray.remote(num_cpus=0, concurrency_groups={REPUSH: 1})(RolloutManager).remote(
@@ -124,6 +127,7 @@ class Job:
             for group in (self.trainers.groups if self.trainers else {}).values():
                 group.unlink_shared_memory()
             raise
+        self.tracker = Tracker(config, [f"{p.name} ({p.origin})" for p in hooks.plugins])
         self.groups = self.trainers.groups if self.trainers else {}
         self.dp_size = self.trainers.actor.dp_size if self.trainers else 1
         self.start, self.version = checkpoint.load(config, self.groups, self.rollout) if config.load else (0, 0)
@@ -220,6 +224,17 @@ class Job:
         self.hooks.slime_shutdown(config=self.config, process="driver")
         self.tracker.close(completed, self.final_model)
         release_log_dir(self.config.log_dir)
+
+
+def _import_on_a_thread(module: str) -> None:
+    """Import ``module`` on a thread of its own; an error is left for the import that needs the module."""
+    def run():
+        try:
+            importlib.import_module(module)
+        except Exception:
+            pass
+
+    threading.Thread(target=run, name=f"import-{module}", daemon=True).start()
 
 
 class RunInterrupted(KeyboardInterrupt):

@@ -175,13 +175,26 @@ class TrainActor:
         self.backend.load(directory)
 
     def shared_memory_files(self) -> list[str]:
-        """The ``/dev/shm`` files this rank's weights live in (``slimecore.engines.weight_sync.shared_file``)."""
-        return list(getattr(self.backend, "shared_files", []))
+        """The ``/dev/shm`` files this rank's weights live in (``slimecore.engines.weight_sync.shared_file``):
+        the backend's shared weights and, once a push made it, the weight sender's kept buffer."""
+        sender = getattr(self, "_sender", None)
+        return list(getattr(self.backend, "shared_files", [])) + (sender.shared_files() if sender else [])
 
     def shutdown(self) -> None:
+        files = self.shared_memory_files()
         if getattr(self, "_sender", None) is not None:
             self._sender.close()
         self.hooks.slime_shutdown(config=self.config, process="train")
+        unlink_files(files)  # Ray ends this process group, torch's shm manager with it: nothing else unlinks them
+
+
+def unlink_files(paths) -> None:
+    """Remove each file; one already gone is fine (the rank or the driver got there first)."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def train_timeout(config: Config) -> float:
@@ -326,11 +339,7 @@ class TrainGroup:
     def unlink_shared_memory(self) -> None:
         """Remove the ranks' shared-memory weight files: Ray ends a rank's whole process group, torch's shm
         manager with it, which would otherwise leave each run's weights in /dev/shm until reboot."""
-        for path in self.shared_files:
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass
+        unlink_files(self.shared_files)
 
 
 class RoleGroups:

@@ -124,6 +124,10 @@ class WeightSender:
                 self._shared.share_memory_()
         return self._shared
 
+    def shared_files(self) -> list[str]:
+        """The ``/dev/shm`` file of the kept buffer, once a push made it."""
+        return [] if self._shared is None else [weight_sync.shared_file(self._shared)]
+
     def _send_distributed(self, bucket: weight_sync.NamedTensors, endpoints: list[Endpoint], version: str) -> int:
         flat, _ = weight_sync.flatten(bucket)
         body = weight_sync.distributed_body(bucket, self._group_name, version)
