@@ -13,12 +13,19 @@ import os
 import shutil
 from pathlib import Path
 
-from slimecore.hf_checkpoint import write_atomic as atomic_write_text
 from slimecore.raytools import ray_get
 
 MARKER = "latest_checkpointed_iteration.txt"
 COMPLETE = "rollout_state.pt"  # written after every role's state: its presence marks a complete iteration
 log = logging.getLogger("slimecore.checkpoint")
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    """Write ``path`` so that a reader sees the old file or the whole new one, never a part (temp + rename)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp.write_text(text)
+    os.replace(tmp, path)
 
 
 def iteration_dir(root: str | Path, rollout_id: int) -> Path:

@@ -255,14 +255,10 @@ def keep_checks(path: str | Path, checked: CheckedFiles) -> None:
         pass
 
 
-def write_atomic(path: str | Path, data: bytes | str) -> None:
-    """Write ``path`` so that a reader sees the old file or the whole new one, never a part (temp + rename)."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    if isinstance(data, bytes):
-        tmp.write_bytes(data)
-    else:
-        tmp.write_text(data)
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` through a temporary file, so no reader ever sees a partial file."""
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_bytes(data)
     os.replace(tmp, path)
 
 

@@ -13,8 +13,8 @@ was being waited for.
 
 from __future__ import annotations
 
-import importlib
 import logging
+import importlib
 import signal
 import threading
 import time
