@@ -10,9 +10,10 @@ Per micro-batch, on each sample's response tokens (all tensors ``(R,)``):
   dual clip ``eps_clip_c = c``: where ``A < 0``, ``L = min(L, -c A)``; ``pg_clipfrac = 1[clipped > unclipped]``;
 - train/inference mismatch (``use_tis`` or ``get_mismatch_metrics``), per token, no gradient through the weight:
   ``rho = exp(logp_old - logp_rollout)``; ``tis_mode`` ``tis``: ``w = clamp(rho, tis_clip_low, tis_clip)``,
-  ``icepop``: ``w = rho`` inside ``[tis_clip_low, tis_clip]`` and 0 outside; with ``use_tis`` ``L`` becomes
-  ``L * w``. Metrics ``tis`` (mean w), ``tis_clipfrac`` (``w != rho``), ``tis_abs`` (``|rho - 1|``), ``ois``
-  (``exp(-ppo_kl)``);
+  ``icepop``: ``w = rho`` inside ``[tis_clip_low, tis_clip]`` and 0 outside, ``current``: as ``tis`` with the
+  current policy in the numerator, ``rho = exp(sg(logp) - logp_rollout)`` (corrects train/inference mismatch and
+  staleness in one weight); with ``use_tis`` ``L`` becomes ``L * w``. Metrics ``tis`` (mean w), ``tis_clipfrac``
+  (``w != rho``), ``tis_abs`` (``|rho - 1|``), ``ois`` (``exp(-ppo_kl)``);
 - ``loss = pg_loss - entropy_coef * entropy + kl_loss_coef * KL(logp, logp_ref)`` (``use_kl_loss``, estimator
   ``kl_loss_type``), every term reduced by the step's reducer.
 """
@@ -57,8 +58,10 @@ def sequence_level(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: t
     return old_log_probs - s.expand_as(log_probs)
 
 
-def policy_loss(opts: Any, batch: dict, outputs: dict, reducer, sequence_ratio: bool = False):
-    """Loss and metrics of one micro-batch (see the module docstring); ``sequence_ratio`` gives GSPO.
+def policy_loss(opts: Any, batch: dict, outputs: dict, reducer, sequence_ratio: bool = False,
+                surrogate=clipped_surrogate):
+    """Loss and metrics of one micro-batch (see the module docstring); ``sequence_ratio`` gives GSPO. ``surrogate``
+    replaces the PPO-clip per-token loss by another with ``clipped_surrogate``'s signature (a plugin's).
 
     ``opts`` carries slime's policy-loss options by their slime names: ``eps_clip``, ``eps_clip_high``,
     ``eps_clip_c``, ``use_rollout_logprobs``, ``use_tis``, ``tis_mode``, ``tis_clip``, ``tis_clip_low``,
@@ -90,11 +93,12 @@ def policy_loss(opts: Any, batch: dict, outputs: dict, reducer, sequence_ratio: 
         old_each = per_sample(old)
         ratio_input = joined([sequence_level(lp, o, m.to(lp.device))
                               for lp, o, m in zip(log_probs, old_each, batch["loss_masks"])])
-    token_loss, clipfrac, ppo_kl = clipped_surrogate(ratio_input, old, joined(batch["advantages"]), opts.eps_clip,
-                                                     eps_high, opts.eps_clip_c)
+    token_loss, clipfrac, ppo_kl = surrogate(ratio_input, old, joined(batch["advantages"]), opts.eps_clip, eps_high,
+                                             opts.eps_clip_c)
     metrics = {}
     if opts.use_tis or opts.get_mismatch_metrics:
-        w, rho = importance_weights(old, joined(batch["rollout_log_probs"]), opts.tis_clip_low, opts.tis_clip,
+        numerator = current if opts.tis_mode == "current" else old
+        w, rho = importance_weights(numerator, joined(batch["rollout_log_probs"]), opts.tis_clip_low, opts.tis_clip,
                                     opts.tis_mode)
         metrics.update(tis=reducer(per_sample(w)), tis_clipfrac=reducer(per_sample((w != rho).float())),
                        tis_abs=reducer(per_sample((rho - 1).abs())),

@@ -59,3 +59,29 @@ def overlong_penalty(length: int, max_len: int, buffer: int, factor: float) -> f
     """DAPO soft overlong punishment: 0 up to ``max_len - buffer`` tokens, then linear down to ``-factor``."""
     expected = max_len - buffer
     return min(0.0, factor * (expected - length) / buffer) if length > expected else 0.0
+
+
+# -- policy-gradient surrogates other than PPO-clip (``--advantage-estimator cispo | reinforce``) ----------------
+# Same contract as ``slimecore.ops.ppo_clip.clipped_surrogate``: per-token (R,) tensors in, ``(loss, clipfrac,
+# ppo_kl)`` out, so ``slimecore.ops.policy_loss`` applies TIS, entropy and KL loss on top of either unchanged.
+
+def cispo_surrogate(log_probs, old_log_probs, advantages, eps_low: float, eps_high: float, eps_c=None):
+    """CISPO (MiniMax-M1): ``L = -sg(clip(ratio, 1 - eps_low, 1 + eps_high)) * A * logp``. The clipped ratio is a
+    constant, so every token keeps a gradient ``A * clip(ratio)`` through ``logp``; ``clipfrac = 1[clipped !=
+    ratio]``. ``eps_c`` (dual clip) has no meaning here and is ignored, as in slime."""
+    import torch
+
+    ppo_kl = old_log_probs - log_probs
+    ratio = torch.exp(-ppo_kl)
+    truncated = ratio.clamp(1.0 - eps_low, 1.0 + eps_high)
+    return -truncated.detach() * advantages * log_probs, (truncated != ratio).float(), ppo_kl
+
+
+def reinforce_surrogate(log_probs, old_log_probs, advantages, eps_low=None, eps_high=None, eps_c=None):
+    """Plain REINFORCE: ``L = -A * logp``; no ratio, no clipping (``clipfrac`` 0). ``ppo_kl`` is still reported."""
+    import torch
+
+    return -advantages * log_probs, torch.zeros_like(log_probs), old_log_probs - log_probs
+
+
+SURROGATES = {"cispo": cispo_surrogate, "reinforce": reinforce_surrogate}  # "grpo": the core's PPO-clip

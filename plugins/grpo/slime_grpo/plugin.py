@@ -9,13 +9,21 @@ from slimecore import hookimpl
 from slimecore.config import ConfigError, Option
 from slimecore.ops.kl import KL_TYPES
 from slimecore.types import Status
-from slime_grpo.algorithm import group_normalize, overlong_penalty
+from slime_grpo.algorithm import SURROGATES, group_normalize, overlong_penalty
 
 NAME = "grpo"
 
 
 @hookimpl
 def slime_options():
+    return [*policy_options(),
+            Option("advantage_estimator", str, "grpo", "grpo: PPO-clip surrogate; cispo: -sg(clip(ratio)) * A * logp "
+                   "(MiniMax-M1); reinforce: -A * logp, no ratio. All three use GRPO's group-normalised rewards.",
+                   choices=("grpo", *SURROGATES))]
+
+
+def policy_options():
+    """The options of slime's policy loss and reward shaping, which gspo and ppo declare as well."""
     return [
         Option("eps_clip", float, 0.2, "Lower clip range of the ratio."),
         Option("eps_clip_high", float, None, "Upper clip range (default: --eps-clip); DAPO clip-higher."),
@@ -30,8 +38,9 @@ def slime_options():
         Option("normalize_advantages", bool, False, "Whiten advantages over the step's tokens."),
         Option("use_rollout_logprobs", bool, False, "Use the engine's log-probs as the old policy."),
         Option("use_tis", bool, False, "Weight the per-token loss by the train/rollout importance ratio (TIS)."),
-        Option("tis_mode", str, "tis", "tis: clamp the ratio to [--tis-clip-low, --tis-clip]; icepop: zero it "
-               "outside.", choices=("tis", "icepop")),
+        Option("tis_mode", str, "tis", "tis: clamp the old/rollout ratio to [--tis-clip-low, --tis-clip]; icepop: "
+               "zero it outside; current: clamp the current/rollout ratio (slime #2084's off_policy_is_function).",
+               choices=("tis", "icepop", "current")),
         Option("tis_clip", float, 2.0, "Upper bound of the TIS / ICEPOP ratio."),
         Option("tis_clip_low", float, 0.0, "Lower bound of the TIS / ICEPOP ratio."),
         Option("get_mismatch_metrics", bool, False, "Log tis, tis_clipfrac, tis_abs, ois without correcting."),
@@ -66,10 +75,11 @@ def validate(o, kl_in_reward: bool = False) -> None:
         raise ConfigError(f"--eps-clip-c must be > 1 (got {o.eps_clip_c})")
     if o.kl_loss_coef and not o.use_kl_loss:
         raise ConfigError("--kl-loss-coef is set but --use-kl-loss is not; add --use-kl-loss")
-    if o.use_tis and o.use_rollout_logprobs:
+    if o.use_tis and o.use_rollout_logprobs and o.tis_mode != "current":
         raise ConfigError("--use-tis and --use-rollout-logprobs are mutually exclusive: TIS corrects the recomputed "
                           "old policy towards the engine's; with the engine's log-probs as the old policy there is "
-                          "nothing to correct. Drop one of them")
+                          "nothing to correct. Drop one of them, or weight by the current policy (--tis-mode "
+                          "current)")
     if not 0 <= o.tis_clip_low < o.tis_clip:
         raise ConfigError(f"need 0 <= --tis-clip-low < --tis-clip (got {o.tis_clip_low}, {o.tis_clip})")
     if o.overlong_buffer_len is not None and o.overlong_buffer_len <= 0:
@@ -138,6 +148,7 @@ def compute_advantages(o, batch):
 
 @hookimpl
 def slime_loss(config, role, batch, outputs, reducer):
-    from slimecore.ops.ppo_clip import policy_loss
+    from slimecore.ops.ppo_clip import clipped_surrogate, policy_loss
 
-    return policy_loss(config.plugin(NAME), batch, outputs, reducer)
+    o = config.plugin(NAME)
+    return policy_loss(o, batch, outputs, reducer, surrogate=SURROGATES.get(o.advantage_estimator, clipped_surrogate))

@@ -20,7 +20,7 @@ NAME = "gspo"
 
 @hookimpl
 def slime_options():
-    return grpo.slime_options()
+    return grpo.policy_options()
 
 
 @hookimpl

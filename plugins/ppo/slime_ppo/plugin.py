@@ -42,7 +42,7 @@ ESTIMATORS = ("ppo", "reinforce_plus_plus", "reinforce_plus_plus_baseline")
 
 @hookimpl
 def slime_options():
-    return [*grpo.slime_options(),
+    return [*grpo.policy_options(),
             Option("advantage_estimator", str, "ppo", "ppo: critic + GAE; reinforce_plus_plus: discounted returns; "
                    "reinforce_plus_plus_baseline: group-centred reward minus KL.", choices=ESTIMATORS),
             Option("gamma", float, 1.0, "Discount factor of GAE and REINFORCE++ returns."),
