@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import glob
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -22,6 +23,7 @@ from slimecore.plugins import Hooks, PluginError
 
 ROWS_RENDERED = 16  # rows whose chat template is rendered in the driver (the keys of every row are checked)
 LOCK_FILE = ".slimecore-run.pid"
+log = logging.getLogger("slimecore.preflight")
 
 
 def check_before_ray(config: Config, hooks: Hooks, roles: list):
@@ -226,14 +228,26 @@ def check_reward_type(config: Config, hooks: Hooks) -> None:
 
 
 def check_load(config: Config) -> None:
-    """``--load`` has a complete checkpoint, and (fsdp, full weights) its tensors have the model's shapes."""
+    """Say what ``--load`` resumes (the iteration, the steps left, the incomplete iterations skipped) or that
+    the run starts fresh on a missing or empty directory; refuse a checkpoint that already reaches
+    ``--num-rollout`` (a total: those steps are done); check (fsdp, full weights) that its tensors have the
+    model's shapes."""
     from slimecore import checkpoint
 
     try:
-        last = checkpoint.latest_complete(config.load)
+        point = checkpoint.resume_point(config.load)
     except FileNotFoundError as exc:
         raise ConfigError(str(exc)) from None
-    actor = checkpoint.iteration_dir(config.load, last) / "actor"
+    if point.iteration is not None and config.start_rollout_id is None and config.num_rollout is not None \
+            and point.next_rollout >= config.num_rollout:
+        raise ConfigError(f"--load {config.load}: {checkpoint.iteration_dir(config.load, point.iteration).name} has "
+                          f"{point.next_rollout} steps done, which reaches --num-rollout {config.num_rollout}: nothing "
+                          "to run. --num-rollout counts every step of the run, those before the checkpoint included; "
+                          f"give --num-rollout {point.next_rollout + 1} or more to train on")
+    log.info("%s", point.describe(config.num_rollout, config.start_rollout_id))
+    if point.iteration is None:
+        return
+    actor = checkpoint.iteration_dir(config.load, point.iteration) / "actor"
     if config.train_backend != "fsdp" or config.use_lora or not any(actor.glob("model*.safetensors")):
         return
     from slimecore.hf_checkpoint import read_safetensors_shapes

@@ -110,16 +110,17 @@ def test_a_prompt_longer_than_the_models_context_is_dropped_and_counted(tiny_che
     assert f"dropped 1 of 3 prompts longer than the model's context ({context}) - 1 = {context - 1}" in caplog.text
 
 
-def test_load_skips_a_checkpoint_interrupted_mid_save(tmp_path, caplog):
-    from slimecore.checkpoint import COMPLETE, iteration_dir, latest_complete
+def test_load_skips_a_checkpoint_interrupted_mid_save(tmp_path):
+    from slimecore.checkpoint import COMPLETE, iteration_dir, latest_complete, resume_point
 
     for rollout_id in (1, 3):
         iteration_dir(tmp_path, rollout_id).mkdir(parents=True)
         (iteration_dir(tmp_path, rollout_id) / COMPLETE).write_bytes(b"state")
     (iteration_dir(tmp_path, 5) / "actor").mkdir(parents=True)  # killed while the trainer was writing
-    with caplog.at_level(logging.WARNING, "slimecore.checkpoint"):
-        assert latest_complete(tmp_path) == 3
-    assert "iter_0000005 is incomplete (a save was interrupted); resuming from iter_0000003" in caplog.text
+    assert latest_complete(tmp_path) == 3
+    text = resume_point(tmp_path).describe(num_rollout=8)
+    assert f"resuming from {iteration_dir(tmp_path, 3)}: 4 steps done, running steps 5-8 of --num-rollout 8" in text
+    assert "skipped iter_0000005: incomplete (a save was interrupted), kept as they are" in text
     empty = tmp_path / "empty"
     (empty / "iter_0000000").mkdir(parents=True)
     with pytest.raises(FileNotFoundError, match="no complete checkpoint there .*1 incomplete iteration"):
