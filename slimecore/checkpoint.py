@@ -51,7 +51,7 @@ def save(config, rollout_id: int, policy_version: int, train_groups: dict, rollo
     for role, group in train_groups.items():
         group.save(str(directory / role))
     if config.save_hf and "actor" in train_groups:
-        train_groups["actor"].save_hf(str(directory / "hf"))
+        train_groups["actor"].save_hf(save_hf_dir(config, rollout_id))
     data_state = ray_get(rollout_manager.data_state.remote(rollout_id), "the rollout manager's data state",
                          config.ray_timeout)
     import torch  # here, not at the top: the driver imports this module before Ray and needs no torch until then
@@ -63,6 +63,15 @@ def save(config, rollout_id: int, policy_version: int, train_groups: dict, rollo
     if config.keep_last_n:
         prune(config.save, config.keep_last_n)
     return directory
+
+
+def save_hf_dir(config, rollout_id: int) -> str:
+    """Where ``--save-hf`` writes step ``rollout_id``'s HF model: ``PATH.format(rollout_id=...)`` as slime does,
+    ``PATH/iter_N`` for a PATH without ``{rollout_id}``, ``iter_N/hf`` of ``--save`` for the bare flag."""
+    path = config.save_hf
+    if "{rollout_id" not in path:
+        path = str(Path(path) / f"iter_{rollout_id:07d}")
+    return path.format(rollout_id=rollout_id, save=config.save)
 
 
 def prune(root: str | Path, keep: int) -> list[Path]:

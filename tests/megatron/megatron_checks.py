@@ -420,3 +420,26 @@ def throughput_benchmark(rank: int, world: int, checkpoint: str, backend: str, t
                                          *(["--compare-fsdp"] if compare else []), "--", *train_argv])
     args.hf_checkpoint, args.shape = checkpoint, "tiny"
     return bench.measure(args, train_argv)["summary"]
+
+
+class _NoRay:
+    """A meta-path finder that refuses ``ray`` and its submodules, as on a machine without Ray."""
+
+    def find_spec(self, name, path=None, target=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(f"{name} is blocked: a trainer-only path must not import Ray")
+        return None
+
+
+def throughput_without_ray(rank: int, world: int, checkpoint: str) -> dict:
+    """``benchmarks/train_throughput.py`` on both backends in a process where ``import ray`` fails."""
+    import sys
+
+    already = sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))
+    sys.meta_path.insert(0, _NoRay())
+    out = {"ray_before": already}
+    for backend in ("fsdp", "megatron"):
+        out[backend] = throughput_benchmark(rank, world, checkpoint, backend, [])
+    out["ray_after"] = sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))
+    return out
+

@@ -107,6 +107,15 @@ def test_qwen3_moe_with_expert_parallelism(tmp_path):
     assert r0["round_trip_names_equal"] and r0["round_trip_exact"] and r0["tensors"] == 45
 
 
+def test_trainers_and_the_throughput_benchmark_run_without_ray(tiny_checkpoint):
+    """A GPU machine with torch alone: both backends train through benchmarks/train_throughput.py while
+    ``import ray`` fails (megatron_model -> checkpoint imported Ray before)."""
+    [r] = run_ranks(checks.throughput_without_ray, str(tiny_checkpoint), world=1, timeout=scaled(300))
+    assert r["ray_before"] == [] and r["ray_after"] == []
+    for backend in ("fsdp", "megatron"):
+        assert r[backend]["perf/actor_train_tok_per_s"] > 0 and r[backend]["train/loss"] == r[backend]["train/loss"]
+
+
 # -- no Megatron needed ----------------------------------------------------------------------------------
 
 
