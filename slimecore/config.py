@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from slimecore.trainers.backend import TRAIN_BACKENDS
-
-
 from slimecore.errors import ConfigError  # defined in a leaf module, so modules config.py calls need not import it
+
+# --train-backend NAME -> "module:class" of its backend (``slimecore.trainers.backend``); a new backend adds one
+# line here. The config holds the table so that it names no module above it.
+TRAIN_BACKENDS = {"fsdp": "slimecore.trainers.fsdp:FSDPBackend",
+                  "megatron": "slimecore.trainers.megatron:MegatronBackend"}
 
 
 @dataclass(frozen=True)
@@ -785,6 +787,6 @@ def validate_engines(c: Config) -> None:
         if c.update_weight_transport == "object-store":
             raise ConfigError("--update-weight-transport object-store works with the embedded engine only; SGLang "
                               "takes tensor, distributed or disk (or auto)")
-        from slimecore.engines.sglang_schema import check_server_args
+        from slimecore.sglang_schema import check_server_args
 
         check_server_args(c)

@@ -18,6 +18,34 @@ class ConfigError(ValueError):
     ``slimecore.config.ConfigError`` is this class."""
 
 
+class PluginError(RuntimeError):
+    """A plugin could not be found, loaded, checked or called. The message says what to do.
+    ``slimecore.plugins.PluginError`` is this class."""
+
+
+class HookCallError(PluginError):
+    """A plugin raised inside a hook. ``slimecore.plugins.HookCallError`` is this class."""
+
+    def __init__(self, plugin: str, hook: str, exc: BaseException):
+        self.plugin, self.hook, self.original = plugin, hook, exc
+        self.cause_kind, self.cause_text = type(exc).__name__, str(exc)
+        self.cause_traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        super().__init__(f"plugin {plugin!r} raised in {hook}: {self.cause_kind}: {self.cause_text}")
+
+    def __reduce__(self):
+        # crosses Ray pickled; the plugin's own exception may not pickle, so it travels as text
+        return _restore_hook_call_error, (self.plugin, self.hook, self.cause_kind, self.cause_text,
+                                          self.cause_traceback)
+
+
+def _restore_hook_call_error(plugin: str, hook: str, kind: str, text: str, trace: str) -> HookCallError:
+    error = HookCallError.__new__(HookCallError)
+    PluginError.__init__(error, f"plugin {plugin!r} raised in {hook}: {kind}: {text}")
+    error.plugin, error.hook, error.original = plugin, hook, None
+    error.cause_kind, error.cause_text, error.cause_traceback = kind, text, trace
+    return error
+
+
 # exception classes whose message is already written for the user (what happened and what to do)
 MESSAGES_FOR_USERS = {"ConfigError", "PluginError", "DataError", "RewardFailureError", "FilterStarvedError",
                       "CheckpointError", "ConvertError"}

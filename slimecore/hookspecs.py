@@ -28,17 +28,14 @@ from typing import TYPE_CHECKING, Any
 
 import pluggy
 
-if TYPE_CHECKING:  # heavy or circular imports only for type checkers
+if TYPE_CHECKING:  # only for type checkers; every name is the contract's own (config, protocols, types)
     import torch
 
-    from slimecore.agents.session import AgentSession
     from slimecore.config import Config, Option
-    from slimecore.data.source import BufferFilter
-    from slimecore.ops.reducers import Reducer
-    from slimecore.rollout.client import RolloutClient
-    from slimecore.rollout.hook_args import AgentHook, ObservationHook, SampleHooks
-    from slimecore.trainers.roles import TrainRole
-    from slimecore.types import Advantages, DataSource, FilterResult, ModelOutputs, RolloutOutput, Sample, TrainBatch
+    from slimecore.protocols import (AgentHook, AgentSession, BufferFilter, ObservationHook, Reducer, RolloutClient,
+                                     SampleHooks)
+    from slimecore.types import (Advantages, DataSource, FilterResult, ModelOutputs, RolloutOutput, Sample, TrainBatch,
+                                 TrainRole)
 
 PROJECT = "slimecore"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -181,7 +178,7 @@ async def slime_rollout(
     evaluation: bool
 ) -> RolloutOutput:
     """Produce one step's prompt groups (``RolloutOutput``). The built-in draws groups from the data
-    source, runs each sample and group through ``sample_hooks`` (``slimecore.rollout.hook_args.SampleHooks``:
+    source, runs each sample and group through ``sample_hooks`` (``slimecore.protocols.SampleHooks``:
     ``generate``, ``process_sample``, ``reward`` or ``group_reward``, ``filter_group``, i.e. ``slime_generate``
     ... ``slime_filter_group`` bound to the run's plugins), over-samples and aborts, and handles partial
     rollout. With ``evaluation=True`` it runs every prompt of ``data_source`` once.
@@ -223,7 +220,7 @@ def slime_observation(config: Config, sample: Sample, text: str, turn: int) -> s
 async def slime_agent(config: Config, sample: Sample, session: AgentSession) -> float | dict | None:
     """Play one episode of an agent that talks to the policy through the OpenAI or Anthropic API. With an
     implementation active, the built-in ``slime_generate`` opens a session per sample and awaits this hook;
-    ``session`` (``slimecore.agents.session.AgentSession``) has ``base_url`` / ``anthropic_base_url``,
+    ``session`` (``slimecore.protocols.AgentSession``) has ``base_url`` / ``anthropic_base_url``,
     ``api_key`` and ``model`` for any OpenAI or Anthropic client, ``openai_client()`` /
     ``anthropic_client()``, ``env()`` (``OPENAI_BASE_URL``, ``OPENAI_API_KEY``, ``ANTHROPIC_BASE_URL``,
     ``ANTHROPIC_API_KEY`` ...) and ``await session.run(args)`` for a subprocess agent with those set. Every
@@ -302,7 +299,7 @@ def slime_log_rollout(config: Config, rollout_id: int, samples: list[Sample], me
 
 @spec(kind="all")
 def slime_train_roles(config: Config) -> list[TrainRole | str]:
-    """Declare training roles beside the actor (``slimecore.trainers.roles.TrainRole``): each one's model
+    """Declare training roles beside the actor (``slimecore.types.TrainRole``): each one's model
     (``policy`` or ``value``: the backbone with a scalar head), its feeds (another role's ``scores``, a value
     model's ``values`` before any role trains, or ``outputs``, what it trained, e.g. the actor's ``returns``),
     its own options (``lr``, ``hf_checkpoint`` ...) and its first updating rollout. A role trains through

@@ -36,17 +36,15 @@ import pluggy
 
 from slimecore import hookspecs
 from slimecore.config import Config, ConfigError, Option
+from slimecore.errors import HookCallError, PluginError  # defined there, importable from here
 
 if TYPE_CHECKING:
     import torch
 
-    from slimecore.agents.session import AgentSession
-    from slimecore.data.source import BufferFilter
-    from slimecore.ops.reducers import Reducer
-    from slimecore.rollout.client import RolloutClient
-    from slimecore.rollout.hook_args import AgentHook, ObservationHook, SampleHooks
-    from slimecore.trainers.roles import TrainRole
-    from slimecore.types import Advantages, DataSource, FilterResult, ModelOutputs, RolloutOutput, Sample, TrainBatch
+    from slimecore.protocols import (AgentHook, AgentSession, BufferFilter, ObservationHook, Reducer, RolloutClient,
+                                     SampleHooks)
+    from slimecore.types import (Advantages, DataSource, FilterResult, ModelOutputs, RolloutOutput, Sample, TrainBatch,
+                                 TrainRole)
 
 ENTRY_POINT_GROUP = "slimecore"
 DEFAULT_PLUGINS = (
@@ -69,10 +67,6 @@ def active_when(predicate: Callable[[Config], Any]):
         return func
 
     return mark
-
-
-class PluginError(RuntimeError):
-    """A plugin could not be found, loaded, checked or called. The message says what to do."""
 
 
 @dataclass
@@ -507,29 +501,6 @@ async def _guarded_await(plugin: str, hook: str, awaitable):
         raise
     except Exception as exc:
         raise HookCallError(plugin, hook, exc) from exc
-
-
-class HookCallError(PluginError):
-    """A plugin raised inside a hook."""
-
-    def __init__(self, plugin: str, hook: str, exc: BaseException):
-        self.plugin, self.hook, self.original = plugin, hook, exc
-        self.cause_kind, self.cause_text = type(exc).__name__, str(exc)
-        self.cause_traceback = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
-        super().__init__(f"plugin {plugin!r} raised in {hook}: {self.cause_kind}: {self.cause_text}")
-
-    def __reduce__(self):
-        # crosses Ray pickled; the plugin's own exception may not pickle, so it travels as text
-        return _restore_hook_call_error, (self.plugin, self.hook, self.cause_kind, self.cause_text,
-                                          self.cause_traceback)
-
-
-def _restore_hook_call_error(plugin: str, hook: str, kind: str, text: str, trace: str) -> HookCallError:
-    error = HookCallError.__new__(HookCallError)
-    PluginError.__init__(error, f"plugin {plugin!r} raised in {hook}: {kind}: {text}")
-    error.plugin, error.hook, error.original = plugin, hook, None
-    error.cause_kind, error.cause_text, error.cause_traceback = kind, text, trace
-    return error
 
 
 class _PluginManager(pluggy.PluginManager):

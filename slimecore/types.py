@@ -1,4 +1,5 @@
-"""Small data contracts shared by every process: ``Sample``, ``FilterResult``, ``RolloutOutput``.
+"""Small data contracts shared by every process: ``Sample``, ``FilterResult``, ``RolloutOutput``, the training
+batch forms, the training-role declarations (``TrainRole``, ``Feed``) and a finished agent program (``AgentProcess``).
 
 Field names and status values follow slime's ``slime/utils/types.py`` so custom code ports over. slime's fields
 for features slime-core does not have (top-p replay, routing replay, on-policy distillation, per-sample train
@@ -14,7 +15,7 @@ import dataclasses
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, TypedDict
+from typing import TYPE_CHECKING, Any, Callable, Mapping, TypedDict
 
 if TYPE_CHECKING:
     import torch
@@ -67,6 +68,10 @@ class Sample:
     generate_function_path: str | None = None
     custom_rm_path: str | None = None
     session_id: str | None = None
+    # per-sample training columns a plugin adds for its own training hooks (e.g. a per-token list aligned with the
+    # response): a key any sample of a step sets becomes a ``TrainBatch`` column of that name (None where a
+    # sample lacks it); dropped with the response (``reset_response``)
+    train_columns: dict = field(default_factory=dict)
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -194,6 +199,7 @@ class Sample:
         self.loss_mask = self.rollout_log_probs = None
         self.reward, self.status = None, Status.PENDING
         self.weight_versions = []
+        self.train_columns = {}
 
     # -- serialisation (debug dumps, checkpoints of the buffer) ----------------------------------
     def to_dict(self) -> dict:
@@ -256,6 +262,11 @@ class DataSource:
 
     def __len__(self) -> int:
         raise NotImplementedError
+
+
+# ``buffer_filter(buffer, num_groups)``, given to ``slime_data_source``: the run's ``slime_buffer_filter``; removes
+# the chosen groups from ``buffer`` and returns them
+BufferFilter = Callable[[list[list[Sample]], int], list[list[Sample]]]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -366,3 +377,60 @@ class ModelOutputs(TypedDict, total=False):
     log_probs: list[torch.Tensor]
     entropy: list[torch.Tensor] | None
     values: list[torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------
+# Training roles (``slime_train_roles``; checked and ordered by ``slimecore.trainers.roles``)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Feed:
+    """What a role receives from ``source``: its ``"scores"`` (before any role trains) or ``"outputs"``."""
+
+    source: str
+    kind: str = "outputs"
+
+
+@dataclass(frozen=True)
+class TrainRole:
+    """One training role: its ``model`` (``"policy"`` or ``"value"``), its ``feeds`` from other roles, the core
+    ``options`` its ranks read with another value, and ``update_from``, its first updating rollout
+    (``slimecore.trainers.roles`` says more)."""
+
+    name: str
+    model: str = "policy"
+    feeds: tuple[Feed, ...] = ()
+    options: Mapping[str, Any] = field(default_factory=dict)
+    update_from: int = 0
+
+    def __post_init__(self):
+        object.__setattr__(self, "feeds", tuple(self.feeds))
+        object.__setattr__(self, "options", dict(self.options))
+
+    def __hash__(self) -> int:
+        return hash((self.name, self.model, self.feeds, tuple(sorted(self.options.items())), self.update_from))
+
+    def configure(self, config):
+        """``config`` (a ``slimecore.config.Config``) as this role's ranks read it: its own options (those not
+        None) over the run's."""
+        own = {name: value for name, value in self.options.items() if value is not None}
+        if not own:
+            return config
+        copy = type(config).from_dict(config.to_dict())
+        for name, value in own.items():
+            setattr(copy, name, value)
+        return copy
+
+    def updates(self, rollout_id: int) -> bool:
+        return rollout_id >= self.update_from
+
+
+@dataclass
+class AgentProcess:
+    """A finished subprocess agent (``AgentSession.run``): exit code and its decoded output."""
+
+    args: list[str]
+    returncode: int
+    stdout: str
+    stderr: str

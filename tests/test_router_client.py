@@ -10,7 +10,7 @@ import pytest
 from fixtures_engine import http_json
 
 from slimecore.engines.router import Router, free_port
-from slimecore.engines.sglang_schema import class_fields
+from slimecore.sglang_schema import class_fields
 from slimecore.rollout.client import EngineError, RolloutClient, SharedRequests
 from slimecore.testing import timeout as scaled
 

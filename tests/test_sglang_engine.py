@@ -17,7 +17,7 @@ import pytest
 
 from slimecore.config import ConfigError, parse_config
 from slimecore.engines import sglang as sglang_engine
-from slimecore.engines.sglang_schema import sglang_root
+from slimecore.sglang_schema import sglang_root
 
 pytest.importorskip("slime_grpo", reason="the grpo plugin is installed by scripts/setup.sh")
 needs_sglang = pytest.mark.skipif(sglang_root() is None, reason="the sglang wheel is not installed (scripts/setup.sh)")

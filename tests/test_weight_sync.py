@@ -12,7 +12,7 @@ import torch
 from fixtures_engine import http_json
 
 from slimecore.engines import weight_sync
-from slimecore.engines.sglang_schema import class_fields, sglang_root
+from slimecore.sglang_schema import class_fields, sglang_root
 from slimecore.trainers.weight_sender import Endpoint, WeightSender, WeightSyncError
 
 PROMPT = [5, 17, 33, 9]

@@ -18,11 +18,11 @@ from typing import TYPE_CHECKING
 from slimecore.agents.chat import tool_parser
 from slimecore.agents.server import PINNED_IN_TRAINING, SessionServer, served_model_name
 from slimecore.agents.session import AgentSession
-from slimecore.plugins import HookCallError
+from slimecore.errors import HookCallError
 from slimecore.types import Sample, Status
 
 if TYPE_CHECKING:
-    from slimecore.rollout.hook_args import AgentHook
+    from slimecore.protocols import AgentHook
 
 log = logging.getLogger("slimecore.agents")
 DEFAULT_AGENT_TIMEOUT = 600.0

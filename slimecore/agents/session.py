@@ -26,25 +26,14 @@ import asyncio
 import os
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from slimecore.agents.server import SessionServer, SessionState
-from slimecore.types import Sample
+from slimecore.types import AgentProcess, Sample  # AgentProcess: importable from here
 
 
 class AgentProcessError(RuntimeError):
     """A subprocess agent exited with an error; the message has its exit code and the tail of its stderr."""
-
-
-@dataclass
-class AgentProcess:
-    """A finished subprocess agent: exit code and its decoded output."""
-
-    args: list[str]
-    returncode: int
-    stdout: str
-    stderr: str
 
 
 class AgentSession:

@@ -14,15 +14,13 @@ import json
 import logging
 import random
 from pathlib import Path
-from typing import Callable
 
 from slimecore.data.dataset import DataError, read_rows, to_prompts
 from slimecore.data.tasks import get_task
-from slimecore.types import DataSource, Sample
+from slimecore.types import BufferFilter, DataSource, Sample  # BufferFilter: the contract's, importable from here
 
 log = logging.getLogger("slimecore.data")
 
-BufferFilter = Callable[[list[list[Sample]], int], list[list[Sample]]]
 TASK_PREFIX = "task:"
 EVAL_TASK_ROWS = 64
 # Eval rows of a built-in task use another seed than training rows. Small tasks have only a few thousand

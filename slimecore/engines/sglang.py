@@ -30,7 +30,7 @@ from pathlib import Path
 
 from slimecore.config import Config
 from slimecore.engines.router import option
-from slimecore.engines.sglang_schema import overrides
+from slimecore.sglang_schema import overrides
 
 def server_args(config: Config, index: int, base_gpu_id: int, host: str, port: int,
                 api_key: str | None = None) -> dict:

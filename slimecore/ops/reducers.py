@@ -16,11 +16,11 @@ gradient of ``J``. ``B`` and ``N`` come from the schedule (``slimecore.rollout.s
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 
-Reducer = Callable[[Sequence[torch.Tensor]], torch.Tensor]
+from slimecore.protocols import Reducer  # the contract's; importable from here
 
 
 def _check(values: Sequence[torch.Tensor], masks: Sequence[torch.Tensor]) -> None:

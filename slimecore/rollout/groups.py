@@ -15,7 +15,7 @@ import logging
 import math
 import time
 
-from slimecore.plugins import HookCallError, PluginError
+from slimecore.errors import HookCallError, PluginError
 from slimecore.rollout.client import SharedRequests
 from slimecore.types import Sample, Status
 

@@ -10,24 +10,16 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Awaitable, Protocol
+from typing import TYPE_CHECKING
 
-from slimecore.data.source import BufferFilter
-from slimecore.defaults.reward import combined_reward
+from slimecore.protocols import AgentHook, BufferFilter, ObservationHook  # noqa: F401 (the contract's; named here)
+from slimecore.rollout.rewards import combined_reward
 from slimecore.types import FilterResult, Sample
 
 if TYPE_CHECKING:
-    from slimecore.agents.session import AgentSession
     from slimecore.config import Config
     from slimecore.plugins import Hooks
     from slimecore.rollout.client import RolloutClient
-
-class ObservationHook(Protocol):
-    def __call__(self, *, config: Config, sample: Sample, text: str, turn: int) -> Awaitable[str | None]: ...
-
-
-class AgentHook(Protocol):
-    def __call__(self, *, config: Config, sample: Sample, session: AgentSession) -> Awaitable[float | dict | None]: ...
 
 
 def buffer_filter(hooks: Hooks, config: Config) -> BufferFilter:
@@ -41,7 +33,8 @@ def buffer_filter(hooks: Hooks, config: Config) -> BufferFilter:
 class SampleHooks:
     """The hooks a rollout calls for each sample and prompt group, bound to the run's plugins: ``generate`` ->
     ``process_sample`` -> ``reward`` (or ``group_reward`` when ``scores_groups``) -> ``filter_group``. Each
-    takes the (per eval set, possibly changed) config of the call."""
+    takes the (per eval set, possibly changed) config of the call. What ``slime_rollout`` may use of it is the
+    contract's ``slimecore.protocols.SampleHooks``."""
 
     def __init__(self, hooks: Hooks):
         self._hooks = hooks

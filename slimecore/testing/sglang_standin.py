@@ -37,7 +37,7 @@ def parse(argv: list[str]) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from slimecore.engines.sglang_schema import server_args_fields
+    from slimecore.sglang_schema import server_args_fields
 
     args = parse(sys.argv[1:] if argv is None else argv)
     fields = server_args_fields()

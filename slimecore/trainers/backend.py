@@ -8,7 +8,8 @@ advantage and loss hooks, the reducer, the metrics) is ``slimecore.trainers.trai
 for every backend. ``fsdp.py`` and ``megatron.py`` are the two backends; ``docs/backends.md`` says how to
 write a third.
 
-This module imports no torch at import time: ``slimecore.config`` reads ``TRAIN_BACKENDS`` from it.
+This module imports no torch at import time. The backends' table, ``TRAIN_BACKENDS``, stands in ``slimecore.config``
+(the ``--train-backend`` choices).
 """
 
 from __future__ import annotations
@@ -21,12 +22,10 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
+from slimecore.config import TRAIN_BACKENDS
+
 if TYPE_CHECKING:
     import torch
-
-# --train-backend NAME -> "module:class" of its backend; a new backend adds one line here.
-TRAIN_BACKENDS = {"fsdp": "slimecore.trainers.fsdp:FSDPBackend",
-                  "megatron": "slimecore.trainers.megatron:MegatronBackend"}
 
 # The model outputs of one micro-batch, per sample (``(R_i,)`` each, over its response tokens):
 # ``{"log_probs": [...], "entropy": [...] or None}`` for a policy, ``{"values": [...]}`` for a value model.

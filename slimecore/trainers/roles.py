@@ -19,17 +19,16 @@ A plugin may declare ``actor`` too, to give it feeds or a later ``update_from``.
 differently by two plugins is an error naming both. Every role has the actor's number of ranks and, colocated,
 shares its bundles (``slimecore.raytools.create_placement``).
 
-This module is the declarations, import-light (plugins import it, and training ranks read their own role
-here); ``slimecore.trainers.actor.RoleGroups`` starts and trains the roles from the driver.
+The declarations (``TrainRole``, ``Feed``) are part of the contract, in ``slimecore.types`` (importable from here
+too); this module checks and orders them, and training ranks read their own role here;
+``slimecore.trainers.actor.RoleGroups`` starts and trains the roles from the driver.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any, Mapping
-
 from slimecore.config import CORE_BY_NAME, Config
-from slimecore.plugins import PluginError
+from slimecore.errors import PluginError
+from slimecore.types import Feed, TrainRole  # declared in the contract, importable from here
 
 ACTOR = "actor"
 MODELS = ("policy", "value")
@@ -37,45 +36,6 @@ FEED_KINDS = ("scores", "outputs")
 # what a training rank reads per role: the model it starts from and its optimizer and schedule
 ROLE_OPTIONS = frozenset({"hf_checkpoint", "lr", "min_lr", "lr_decay_style", "lr_warmup_iters", "weight_decay",
                           "adam_beta1", "adam_beta2", "adam_eps", "clip_grad"})
-
-
-@dataclass(frozen=True)
-class Feed:
-    """What a role receives from ``source``: its ``"scores"`` (before any role trains) or ``"outputs"``."""
-
-    source: str
-    kind: str = "outputs"
-
-
-@dataclass(frozen=True)
-class TrainRole:
-    """One training role (module docstring)."""
-
-    name: str
-    model: str = "policy"
-    feeds: tuple[Feed, ...] = ()
-    options: Mapping[str, Any] = field(default_factory=dict)
-    update_from: int = 0
-
-    def __post_init__(self):
-        object.__setattr__(self, "feeds", tuple(self.feeds))
-        object.__setattr__(self, "options", dict(self.options))
-
-    def __hash__(self) -> int:
-        return hash((self.name, self.model, self.feeds, tuple(sorted(self.options.items())), self.update_from))
-
-    def configure(self, config: Config) -> Config:
-        """``config`` as this role's ranks read it: its own options (those not None) over the run's."""
-        own = {name: value for name, value in self.options.items() if value is not None}
-        if not own:
-            return config
-        copy = Config.from_dict(config.to_dict())
-        for name, value in own.items():
-            setattr(copy, name, value)
-        return copy
-
-    def updates(self, rollout_id: int) -> bool:
-        return rollout_id >= self.update_from
 
 
 def declared_roles(config: Config, hooks) -> list[TrainRole]:

@@ -7,7 +7,8 @@ Ray starts) should not need. A class's fields are its annotated class attributes
 in the same module, as for a dataclass or a msgspec ``Struct``.
 
 ``check_server_args`` holds the run's ``--sglang-*`` arguments against ``ServerArgs`` while the config is
-parsed, before Ray starts.
+parsed, before Ray starts: ``slimecore.config`` reads this module, so it stands beside the config (as
+``megatron_args`` does), not among the engines.
 """
 
 from __future__ import annotations
@@ -61,15 +62,6 @@ def server_args_fields() -> dict[str, bool] | None:
     return class_fields("srt.server_args", "ServerArgs")
 
 
-def sglang_version() -> str | None:
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("sglang")
-    except PackageNotFoundError:
-        return None
-
-
 # ServerArgs fields slime-core sets itself, and the flag that sets each
 OWNED = {"model_path": "--hf-checkpoint", "tp_size": "--rollout-num-gpus-per-engine", "base_gpu_id": "placement",
          "host": "the run (127.0.0.1, or the node address on a multi-node run)", "port": "a free port",
@@ -93,6 +85,10 @@ def overrides(config) -> dict:
         if not isinstance(data, dict):
             raise ConfigError(f"--sglang-config {path}: expected a mapping of SGLang ServerArgs fields, got "
                               f"{type(data).__name__}")
+        if "sglang" in data:  # slime's server-group form
+            from slimecore.defaults.slime_compat import server_group_overrides
+
+            data = server_group_overrides(config, path, data)
         values.update({str(k).replace("-", "_"): v for k, v in data.items()})
     return values
 
