@@ -14,12 +14,11 @@ from rich.markup import escape
 from rich.table import Table
 
 import slimecore
-from slimecore.defaults.reward import check_reward_sources
 from slimecore.finalize import finalize
 
 from slimecore.config import (CORE_BY_NAME, ConfigError, build_parser, collect_plugin_options, flag_text,
                               parse_config, prescan)
-from slimecore.plugins import (DEFAULT_PLUGINS, SPECS, PluginError, installed_entry_points, load_plugins,
+from slimecore.plugins import (SPECS, PluginError, installed_entry_points, load_plugins,
                                normalize_spec)
 
 console = Console(stderr=True, soft_wrap=True)
@@ -56,6 +55,8 @@ def train(ctx):
         config = parse_config(argv, specs, declared, implied, hooks.slime_quickstart_options())
         hooks.bind(config).slime_validate_config(config=config)
         hooks.check(skip_required=_not_needed(config))
+        from slimecore.defaults.reward import check_reward_sources  # here: the small commands need no aiohttp
+
         check_reward_sources(hooks, config)
         finalize(config, hooks)  # the model path, --num-rollout from --num-epoch, --train-iters
         if config.megatron_args:
@@ -149,43 +150,52 @@ def _not_needed(config) -> list[str]:
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def plugins(as_json):
     """List installed plugins (entry-point group `slimecore`) and the built-in defaults, with their hooks."""
-    rows = []
-    for name in list(DEFAULT_PLUGINS) + sorted(installed_entry_points()):
-        try:
-            info = load_plugins([name], defaults=False).plugins[0]
-            rows.append({"name": info.name, "distribution": info.distribution or "slime-core",
-                         "version": info.version or slimecore.__version__, "hooks": info.hooks,
-                         "origin": info.origin, "location": info.location})
-        except PluginError as exc:
-            rows.append({"name": name, "distribution": "?", "version": "?", "hooks": [], "origin": "error",
-                         "location": str(exc)})
+    from slimecore_cli.plugin_list import cache_file, plugin_rows
+
+    def importing(names):
+        console.print(f"importing {len(names)} plugin(s) to read their hooks ({', '.join(names)}); kept in "
+                      f"{cache_file()} until they change", style="dim", highlight=False)
+
+    rows = plugin_rows(on_import=importing)
     if as_json:
         click.echo(json.dumps(rows, indent=2))
         return
-    table = Table(title="slime-core plugins")
+    Console().print(plugins_table(rows, Console().width))
+
+
+def plugins_table(rows: list[dict], width: int) -> Table:
+    """The plugins as a table that fits ``width`` columns (distribution, then origin, dropped when it does not)."""
+    from slimecore.display import fit_table
+
+    table = Table(title="slime-core plugins (--json: every field)")
     for column in ("plugin", "distribution", "version", "hooks", "origin"):
         table.add_column(column)
     for row in rows:
-        table.add_row(row["name"], row["distribution"], row["version"],
+        table.add_row(escape(row["name"]), row["distribution"], row["version"],
                       ", ".join(h.removeprefix("slime_") for h in row["hooks"]),
-                      row["origin"] if row["origin"] != "error" else f"[red]{row['location']}[/]")
-    Console().print(table)
+                      row["origin"] if row["origin"] != "error" else f"[red]{escape(row['location'])}[/]")
+    return fit_table(table, width, drop=("distribution", "origin", "version"))
 
 
 @cli.command()
 @click.argument("name", required=False)
-def hooks(name):
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def hooks(name, as_json):
     """Show every hook spec with its documentation (or just NAME)."""
-    out = Console()
-    for hook, fn in SPECS.items():
-        if name and name not in (hook, hook.removeprefix("slime_")):
-            continue
-        kind = {"all": "all implementations", "one": "one answer", "first": "first answer"}[fn.slime_kind]
-        flags = [kind] + (["required"] if fn.slime_required else []) + (["async"] if fn.slime_async else [])
-        out.print(f"[bold cyan]{hook}[/]{inspect.signature(fn)}  [dim]({', '.join(flags)})[/]")
-        out.print(inspect.getdoc(fn) + "\n", soft_wrap=True, highlight=False)
     if name and not any(name in (h, h.removeprefix("slime_")) for h in SPECS):
         _fail(ValueError(f"no hook named {name!r}; `slime-core hooks` lists them"))
+    kinds = {"all": "all implementations", "one": "one answer", "first": "first answer"}
+    rows = [{"name": hook, "signature": str(inspect.signature(fn)), "answers": kinds[fn.slime_kind],
+             "required": fn.slime_required, "async": fn.slime_async, "doc": inspect.getdoc(fn)}
+            for hook, fn in SPECS.items() if not name or name in (hook, hook.removeprefix("slime_"))]
+    if as_json:
+        click.echo(json.dumps(rows, indent=2))
+        return
+    out = Console()
+    for row in rows:
+        flags = [row["answers"]] + (["required"] if row["required"] else []) + (["async"] if row["async"] else [])
+        out.print(f"[bold cyan]{row['name']}[/]{escape(row['signature'])}  [dim]({', '.join(flags)})[/]")
+        out.print(row["doc"] + "\n", soft_wrap=True, highlight=False, markup=False)
 
 
 @cli.command()
@@ -243,7 +253,8 @@ def _plugin_datasets() -> dict[str, tuple[str, str]]:
 @click.option("--plugin", "specs", multiple=True, default=("models",), show_default=True,
               help="Bridge plugins whose presets to list.")
 @click.option("--show", default=None, help="Print one preset's Megatron flags (slime's MODEL_ARGS).")
-def models(specs, show):
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
+def models(specs, show, as_json):
     """Model presets of the bridge plugins, with their Megatron shapes (as slime's scripts/models/*.sh)."""
     from slimecore.convert import presets
 
@@ -256,6 +267,13 @@ def models(specs, show):
             _fail(ValueError(f"no preset {show!r}; known: {', '.join(sorted(found)) or 'none'}"))
         click.echo(" ".join(found[show][1].megatron_args()))
         return
+    if as_json:
+        click.echo(json.dumps([{"preset": name, "plugin": plugin, "architecture": b.architecture,
+                                "megatron_args": b.megatron_args()} for name, (plugin, b) in sorted(found.items())],
+                              indent=2))
+        return
+    from slimecore.display import fit_table
+
     table = Table(title="model presets (`slime-core models --show NAME` prints the Megatron flags)")
     table.add_column("preset", no_wrap=True)
     for column in ("architecture", "layers", "hidden", "ffn", "heads / kv", "experts (top-k)"):
@@ -264,7 +282,7 @@ def models(specs, show):
         experts = f"{b.num_experts} ({b.moe_router_topk})" if getattr(b, "num_experts", None) else "-"
         table.add_row(name, b.architecture.removesuffix("ForCausalLM"), str(b.num_layers), str(b.hidden_size),
                       str(b.ffn_hidden_size), f"{b.num_attention_heads} / {b.num_query_groups}", experts)
-    Console().print(table)
+    Console().print(fit_table(table, Console().width, drop=("ffn", "architecture")))
 
 
 @cli.group()

@@ -42,16 +42,24 @@ def runs(ctx, root, as_json):
     if not rows:
         console.print(f"no runs under {root}/ yet: `slime-core train ...` makes one")
         return
-    table = Table(title=f"runs in {root}/ (`slime-core runs show NAME`, `slime-core plot NAME`)")
+    Console().print(runs_table(rows, root, Console().width))
+
+
+def runs_table(rows: list[dict], root: str, width: int) -> Table:
+    """The runs as a table that fits ``width`` columns: names whole (they are what `runs show` takes), the
+    plugins, then the state and the start, dropped when it does not fit."""
+    from slimecore.display import fit_table
+
+    table = Table(title=f"runs in {root}/ (`slime-core runs show NAME`, `slime-core plot NAME`; --json: all)")
     for column in ("run", "started", "plugins", "steps", "final reward", "state"):
         table.add_column(column, no_wrap=column == "run")
     for r in rows:
         steps = f"{r['steps']}/{r['num_rollout']}" if r["num_rollout"] else str(r["steps"])
         state = "finished" if r["finished"] and r["summary"].get("completed") else \
             "stopped" if r["finished"] else "running or killed"
-        table.add_row(r["name"], r["started"], plugin_label(list(map(str, r["plugins"]))), steps,
+        table.add_row(escape(r["name"]), r["started"], escape(plugin_label(list(map(str, r["plugins"])))), steps,
                       _reward(r["final_reward"]), state)
-    Console().print(table)
+    return fit_table(table, width, drop=("plugins", "state", "started"))
 
 
 @runs.command("show")

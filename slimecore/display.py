@@ -12,10 +12,14 @@ from __future__ import annotations
 import logging
 import sys
 
+from typing import Sequence
+
+from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 STAGES = {"generate": "generating", "train": "training", "sync": "syncing weights", "save": "saving a checkpoint",
           "eval": "evaluating", "export": "writing the final model"}
@@ -37,6 +41,38 @@ def step_line(rollout_id: int, total: int, metrics: dict, eta: float | None) -> 
     if eta is not None:
         parts.append(f"ETA {duration(eta)}")
     return f"[bold]step {rollout_id + 1}/{total}[/] " + "  ".join(parts)
+
+
+def fit_table(table: Table, width: int, drop: Sequence[str] = ()) -> Table:
+    """Make ``table`` fit ``width`` terminal columns without cutting a word: each column is at least as wide as
+    its longest word, so a cell wraps between words and is never shortened to "…"; while the table would still
+    be wider than ``width``, the columns named in ``drop`` (by header) go, in that order (``--json`` has them
+    all). The room left goes to the columns needing least first, so short cells stay on one line. Returns
+    ``table``, changed in place."""
+    def lines(column) -> list[str]:
+        cells = [column.header, *column._cells]
+        return [line for t in cells for line in (t.plain if isinstance(t, Text) else Text.from_markup(str(t)).plain)
+                .splitlines()]
+
+    def room() -> int:  # the cells' width, borders and padding taken off
+        return width - table._extra_width - sum(2 for _ in table.columns)
+
+    words = {id(c): max((cell_len(w) for line in lines(c) for w in line.split()), default=1) for c in table.columns}
+    for header in drop:
+        if sum(words[id(c)] for c in table.columns) <= room():
+            break
+        table.columns[:] = [c for c in table.columns if c.header != header]
+    natural = {id(c): max((cell_len(line) for line in lines(c)), default=1) for c in table.columns}
+    if sum(natural.values()) <= room():
+        return table  # fits as it is
+    spare = max(0, room() - sum(words[id(c)] for c in table.columns))
+    by_need = sorted(table.columns, key=lambda c: natural[id(c)] - words[id(c)])
+    for left, column in enumerate(by_need):  # the columns needing least are whole first, the rest share
+        key = id(column)
+        extra = min(natural[key] - words[key], spare // (len(by_need) - left))
+        column.width, column.overflow = words[key] + extra, "fold"
+        spare -= extra
+    return table
 
 
 def _reroute_log_handlers(streams: tuple, target) -> list[tuple[logging.StreamHandler, object]]:
@@ -113,24 +149,25 @@ class RunDisplay:
                                  eta=f"ETA {duration(eta)}" if eta is not None else "")
 
     def summary(self, summary: dict) -> None:
-        """The end-of-run table: steps, reward first -> last quarter, time, and where everything is."""
+        """The end-of-run table (steps, reward first -> last quarter, the whole command's time), then where
+        everything is, one path a line outside the table so that no path is ever split (copy it whole)."""
         table = Table(title="run " + ("finished" if summary.get("completed") else "stopped"), show_header=False)
         table.add_column(style="bold", no_wrap=True)
-        table.add_column(overflow="fold")
+        table.add_column()
         table.add_row("steps", str(summary["steps"]))
         if "reward_first_quarter" in summary:
             first, last = summary["reward_first_quarter"], summary["reward_last_quarter"]
             table.add_row("reward (first -> last quarter)", f"{first:.3f} -> {last:.3f} ({last - first:+.3f})")
         wall = summary.get("wall_seconds")
         if wall is not None:
-            table.add_row("time", duration(wall) + (f" (median step {summary['step_time_median']:.1f}s)"
-                                                    if "step_time_median" in summary else ""))
+            table.add_row("time (whole command)", duration(wall) + (
+                f" (median step {summary['step_time_median']:.1f}s)" if "step_time_median" in summary else ""))
+        self.console.print(fit_table(table, self.console.width))
         paths = summary.get("paths", {})
         for key, label in [("run", "run folder"), ("final_model", "trained model (HF)"), ("curves", "curves"),
                            ("samples", "samples"), ("metrics", "metrics"), ("checkpoints", "checkpoints")]:
             if key in paths:
-                table.add_row(label, escape(paths[key]))
-        self.console.print(table)
+                self.console.print(f"[bold]{label}:[/] {escape(paths[key])}", highlight=False, soft_wrap=True)
         if "final_model" in paths:
             self.console.print(f"load it: AutoModelForCausalLM.from_pretrained({paths['final_model']!r}); look at "
                                f"the curves: slime-core plot {paths['run']} (or open {paths.get('curves', '')})",

@@ -8,7 +8,9 @@ with the symlink ``runs/latest`` moved to it):
 - ``samples.jsonl``: ``--log-samples`` samples per step (prompt, response, reward, status);
 - ``final/``: the trained model as an HF checkpoint (``slimecore.export``);
 - ``curves.png``: reward, response length, step time and KL by step (``slimecore.plotting``);
-- ``summary.json``: written when the run ends (steps, reward first -> last quarter, wall time, paths).
+- ``summary.json``: written when the run ends (steps, reward first -> last quarter, the whole command's time,
+  paths);
+- ``command.json``: the command line, the folder it ran in and when it started.
 """
 
 from __future__ import annotations
@@ -18,14 +20,18 @@ import json
 import math
 import os
 import re
+import sys
+import time
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from slimecore.config import CORE_BY_NAME, Config
+from slimecore.config import CORE_BY_NAME, Config, ConfigError
 
 RUNS_ROOT = Path("runs")
+COMMAND = "command.json"
+_IMPORTED = time.time()
 LATEST = "latest"
 REWARD = "rollout/raw_reward"
 
@@ -78,6 +84,7 @@ def config_yaml(config: Config) -> str:
     ``global_batch_size`` too when ``num_steps_per_rollout`` derived it (giving both is an error)."""
     skip = {"log_dir"} | ({"global_batch_size"} if config.num_steps_per_rollout is not None else set())
     values = {k: _plain(v) for k, v in config.to_dict()["values"].items() if k in CORE_BY_NAME and k not in skip}
+    values.update({k: absolute_paths(k, v) for k, v in values.items() if k in FILE_OPTIONS + OUTPUT_OPTIONS})
     plugin_values = {name: _plain(v) for opts in config.to_dict()["plugin_values"].values() for name, v in opts.items()}
     out = {"plugin": list(config.plugins), **values, **plugin_values}
     if config.sglang_args:
@@ -87,8 +94,50 @@ def config_yaml(config: Config) -> str:
     return header + yaml.safe_dump(out, sort_keys=False, allow_unicode=True)
 
 
+# Options naming files or folders. config.yaml holds them absolute, so that a replay works from any folder:
+# the inputs when they exist where the run started (else they are left as given: a hub id, ``task:NAME``),
+# the outputs (and --load) always.
+FILE_OPTIONS = ("prompt_data", "eval_prompt_data", "hf_checkpoint", "eval_config", "sglang_config")
+OUTPUT_OPTIONS = ("save", "load", "save_debug_rollout_data", "load_debug_rollout_data")
+
+
+def absolute_paths(name: str, value: Any) -> Any:
+    """``value`` of option ``name`` with its paths made absolute (``path@[start:end]`` keeps its slice; of
+    ``--eval-prompt-data NAME PATH ...`` the paths)."""
+    if value is None:
+        return None
+    if name == "eval_prompt_data":
+        return [absolute_paths("prompt_data", v) if i % 2 else v for i, v in enumerate(value)]
+    if name in OUTPUT_OPTIONS:
+        return os.path.abspath(os.path.expanduser(value))
+    path, at, rest = str(value).partition("@[")
+    found = Path(path).expanduser()
+    return str(found.resolve()) + at + rest if found.exists() else value
+
+
 def _plain(value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
+
+
+def process_started() -> float:
+    """When this process started (Unix time), from Linux's process table: the command's start, its imports and
+    the default model's conversion included. Elsewhere: when this module was imported."""
+    try:
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return time.time() - (uptime - ticks / os.sysconf("SC_CLK_TCK"))
+    except (OSError, ValueError, IndexError):
+        return _IMPORTED
+
+
+def record_command(run_dir: Path) -> float:
+    """Write ``command.json`` (the command line, its folder, when it started) into the run folder; return the
+    start, from which the run's summary counts its time and ``slime-core runs`` dates it."""
+    started = process_started()
+    (Path(run_dir) / COMMAND).write_text(json.dumps({
+        "argv": sys.argv, "cwd": os.getcwd(), "started": started,
+        "started_at": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds")}, indent=1) + "\n")
+    return started
 
 
 def write_samples(config: Config, rollout_id: int, samples: list) -> None:
@@ -177,8 +226,9 @@ def run_info(run_dir: Path) -> dict:
     config = yaml.safe_load((run_dir / "config.yaml").read_text()) if (run_dir / "config.yaml").is_file() else {}
     done = run_dir / "summary.json"
     summary = json.loads(done.read_text()) if done.is_file() else summarize(run_dir)
-    started = datetime.datetime.fromtimestamp((run_dir / "config.yaml").stat().st_mtime
-                                              if (run_dir / "config.yaml").is_file() else run_dir.stat().st_mtime)
+    command = json.loads((run_dir / COMMAND).read_text()) if (run_dir / COMMAND).is_file() else {}
+    started = datetime.datetime.fromtimestamp(command.get("started") or (
+        (run_dir / "config.yaml").stat().st_mtime if (run_dir / "config.yaml").is_file() else run_dir.stat().st_mtime))
     return {"name": run_dir.name, "path": str(run_dir), "started": f"{started:%Y-%m-%d %H:%M}",
             "plugins": config.get("plugin") or [], "steps": summary["steps"], "num_rollout": config.get("num_rollout"),
             "final_reward": summary.get("final_reward"), "finished": done.is_file(), "summary": summary,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from slimecore.config import Config
 from slimecore.plotting import plot_run
-from slimecore.runs import config_yaml, create_run_dir, read_metrics, summarize, write_summary
+from slimecore.runs import config_yaml, create_run_dir, read_metrics, record_command, summarize, write_summary
 
 
 class Tracker:
@@ -22,7 +22,7 @@ class Tracker:
 
     def __init__(self, config: Config, active_plugins: list[str] | None = None):
         self.dir = create_run_dir(config)
-        self.config, self.start = config, time.time()
+        self.config, self.start = config, record_command(self.dir)  # the summary's time counts the whole command
         self.jsonl = (self.dir / "metrics.jsonl").open("a")
         self.tb = self.wandb = None
         if config.use_tensorboard:

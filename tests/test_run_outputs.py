@@ -81,7 +81,36 @@ def test_config_yaml_holds_the_resolved_config_and_parses_back_to_it(tmp_path, e
     assert replay.to_dict() == expected
 
 
+def test_config_yaml_paths_are_absolute_so_a_replay_works_from_any_folder(tmp_path, monkeypatch):
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "p.jsonl").write_text("")
+    monkeypatch.chdir(tmp_path)
+    config = parse_config(["--prompt-data", "data/p.jsonl@[0:2]", "--rollout-batch-size", "1", "--save", "ckpt",
+                           "--eval-prompt-data", "held", "data/p.jsonl", "cmp", "task:compare"], [], {})
+    (tmp_path / "config.yaml").write_text(config_yaml(config))
+    monkeypatch.chdir(tmp_path / "data")  # replayed from another folder
+    replay = parse_config(["--config", str(tmp_path / "config.yaml")], [], {})
+    assert replay.prompt_data == f"{tmp_path}/data/p.jsonl@[0:2]" and replay.save == str(tmp_path / "ckpt")
+    assert replay.eval_prompt_data == ["held", str(tmp_path / "data" / "p.jsonl"), "cmp", "task:compare"]
+
+
 # -- the run folder ------------------------------------------------------------------------------------------
+
+
+def test_a_run_is_timed_and_dated_from_the_start_of_its_command(tmp_path):
+    import time
+
+    from slimecore.runs import COMMAND, run_info
+
+    before = time.time()  # the command spends 1.5 s (imports, a model's conversion) before its run folder exists
+    subprocess.run([sys.executable, "-c", "import sys, time; time.sleep(1.5); from slimecore.runs import "
+                    "record_command; record_command(sys.argv[1])", str(tmp_path)], check=True, timeout=60)
+    command = json.loads((tmp_path / COMMAND).read_text())
+    assert before - 1 < command["started"] < before + 1 and command["argv"][0] == "-c"
+    (tmp_path / "config.yaml").write_text("plugin: [grpo]\n")  # written later than the command started
+    command["started"] = datetime.datetime(2026, 11, 28, 9, 0, 30).timestamp()
+    (tmp_path / COMMAND).write_text(json.dumps(command))
+    assert run_info(tmp_path)["started"] == "2026-11-28 09:00"
 
 
 def test_run_folders_never_collide_and_latest_moves_atomically(tmp_path, monkeypatch):
@@ -233,10 +262,13 @@ def test_runs_list_show_plot_and_replay(finished_run, tiny_checkpoint):
     with pytest.raises(FileNotFoundError, match="no run 'nope'"):
         resolve_run("nope", cwd / "runs")
 
-    # replay: the same resolved config in a new folder (no flags but --config)
-    _cli(cwd, "train", "--config", str(run / "config.yaml"))
-    replay = (cwd / "runs" / "latest").resolve()
-    assert replay != run.resolve()
+    # replay from another folder: the same resolved config (its paths absolute: --save ckpt was given relative to
+    # the first run's folder) in a new run folder, with no flags but --config
+    elsewhere = cwd / "elsewhere"
+    elsewhere.mkdir()
+    _cli(elsewhere, "train", "--config", str(run / "config.yaml"))
+    replay = (elsewhere / "runs" / "latest").resolve()
+    assert f"save: {cwd / 'ckpt'}" in (run / "config.yaml").read_text() and not (elsewhere / "ckpt").exists()
     strip = lambda text: [line for line in text.splitlines() if not line.startswith("#")]  # noqa: E731
     assert strip((replay / "config.yaml").read_text()) == strip((run / "config.yaml").read_text())
     assert [m["rollout/step"] for m in map(json.loads, (replay / "metrics.jsonl").read_text().splitlines())] == [0, 1, 2]

@@ -1,0 +1,90 @@
+"""What the small commands print, at 80 columns and into pipes: tables wrap between words or drop columns
+(never a cell cut to "…"), paths are printed whole, and the listings are cached so they answer at once."""
+
+from __future__ import annotations
+
+import io
+import json
+import subprocess
+import sys
+
+from rich.console import Console
+
+from slimecore.display import RunDisplay
+from slimecore_cli.main import plugins_table
+from slimecore_cli.runs import runs_table
+
+HOOKS = ["slime_buffer_filter", "slime_compute_advantages", "slime_data_source", "slime_filter_group",
+         "slime_generate", "slime_loss", "slime_post_process_rewards", "slime_rollout_data_postprocess"]
+
+
+def _render(renderable, width: int = 80) -> str:
+    out = io.StringIO()
+    Console(file=out, width=width).print(renderable)
+    return out.getvalue()
+
+
+def _words_whole(text: str, values: list[str]) -> None:
+    assert "…" not in text, text
+    lines = text.splitlines()
+    for value in values:
+        for word in value.split():
+            assert any(word in line for line in lines), (word, text)
+
+
+def test_plugins_table_at_80_columns_keeps_names_and_hooks_whole():
+    rows = [{"name": name, "distribution": dist, "version": "0.1.0", "hooks": HOOKS[:n], "origin": origin,
+             "location": f"/somewhere/{name}.py"}
+            for name, dist, n, origin in [("slimecore.defaults.slime_compat", "slime-core", 8, "built-in"),
+                                          ("reasoning_gym", "slime-core-reasoning-gym", 3, "entry point"),
+                                          ("grpo", "slime-core-grpo", 5, "entry point")]]
+    text = _render(plugins_table(rows, 80))
+    assert max(map(len, text.splitlines())) <= 80
+    _words_whole(text, [r["name"] for r in rows] + [h.removeprefix("slime_") + "," for h in HOOKS[:-1]])
+    assert "plugin" in text and "hooks" in text and "version" in text  # what was dropped is what --json keeps
+    wide = _render(plugins_table(rows, 200), 200)
+    assert "slime-core-reasoning-gym" in wide and "entry point" in wide  # nothing dropped where it fits
+
+
+def test_runs_table_at_80_columns_keeps_run_names_and_values_whole():
+    rows = [{"name": f"20261128-0930{i:02d}-grpo+digits_reward_plugin", "started": "2026-11-28 09:30",
+             "plugins": ["grpo", "/home/me/digits_reward_plugin.py"], "steps": 3, "num_rollout": 30,
+             "final_reward": 0.703125, "finished": i == 0, "summary": {"completed": i == 0}} for i in range(2)]
+    text = _render(runs_table(rows, "runs", 80))
+    assert max(map(len, text.splitlines())) <= 80
+    _words_whole(text, [r["name"] for r in rows] + ["3/30", "0.703", "steps", "final reward"])
+
+
+def test_the_end_summary_at_80_columns_prints_every_path_whole_on_its_line(tmp_path):
+    run = tmp_path / "a-rather-long-folder-name-for-runs" / "runs" / "20261128-093000-grpo+digits_reward_plugin"
+    paths = {"run": str(run), "final_model": str(run / "final"), "curves": str(run / "curves.png"),
+             "metrics": str(run / "metrics.jsonl"), "checkpoints": str(tmp_path / "ckpt")}
+    out = io.StringIO()
+    RunDisplay(Console(file=out, width=80), None, live=False).summary(
+        {"steps": 30, "completed": True, "reward_first_quarter": 0.25, "reward_last_quarter": 0.7,
+         "wall_seconds": 2581.0, "step_time_median": 70.4, "paths": paths})
+    text = out.getvalue()
+    assert "…" not in text and "0.250 -> 0.700 (+0.450)" in text and "43m01s (median step 70.4s)" in text
+    assert "time (whole command)" in text
+    for label, key in [("run folder", "run"), ("trained model (HF)", "final_model"), ("checkpoints", "checkpoints")]:
+        assert f"{label}: {paths[key]}" in text.splitlines()  # one line, unsplit, copyable
+
+
+def test_plugins_listing_is_cached_by_distribution_and_file(tmp_path):
+    """The second `slime-core plugins` reads the cache and imports no plugin."""
+    env_code = ("import json, sys; from slimecore_cli.plugin_list import plugin_rows; seen = []; "
+                "rows = plugin_rows(on_import=seen.extend); print(json.dumps([seen, [r['name'] for r in rows], "
+                "sorted(m for m in sys.modules if m.startswith('slimecore.defaults'))]))")
+
+    def listing():
+        proc = subprocess.run([sys.executable, "-c", env_code], capture_output=True, text=True, timeout=300,
+                              env={**__import__("os").environ, "SLIMECORE_CACHE_DIR": str(tmp_path),
+                                   "SLIMECORE_LOAD_PLUGINS": "grpo"})
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout)
+
+    imported, names, modules = listing()
+    assert "grpo" in imported and names[-1] == "grpo" and "slimecore.defaults.slime_compat" in names
+    imported, names_again, modules = listing()
+    assert imported == [] and names_again == names and modules == []  # from the cache: nothing imported
+    assert (tmp_path / "plugins.json").is_file()
