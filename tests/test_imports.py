@@ -1,10 +1,12 @@
 """No import circles among slimecore's modules, counting imports inside functions (a lazy import that closes a
-circle still ties the two modules together) but not those only for type checkers; and every module imports
-in a fresh interpreter."""
+circle still ties the two modules together) and those only for type checkers (a reader follows them too); the
+layers of docs/architecture.md hold (no import from a lower layer to a higher one, no circle between the files
+and folders of one layer); and every module imports in a fresh interpreter."""
 
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,14 +23,9 @@ def _modules() -> dict[str, Path]:
     return found
 
 
-def _runtime_imports(tree: ast.AST):
-    """Import nodes outside ``if TYPE_CHECKING:`` blocks."""
-    for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            node = ast.Module(body=node.orelse, type_ignores=[])  # only the else branch runs
-        elif isinstance(node, (ast.Import, ast.ImportFrom)):
-            yield node
-        yield from _runtime_imports(node)
+def _imports(tree: ast.AST):
+    """Every import node: at module level, inside functions and under ``if TYPE_CHECKING:``."""
+    return (node for node in ast.walk(tree) if isinstance(node, (ast.Import, ast.ImportFrom)))
 
 
 def import_graph() -> dict[str, set[str]]:
@@ -43,7 +40,7 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in modules.items():
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets = set()
-        for node in _runtime_imports(ast.parse(path.read_text())):
+        for node in _imports(ast.parse(path.read_text())):
             if isinstance(node, ast.Import):
                 targets |= {owner(alias.name) for alias in node.names}
                 continue
@@ -85,7 +82,51 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 def test_no_import_cycles_among_slimecore_modules():
     graph = import_graph()
     assert "slimecore.rollout.evaluation" in graph["slimecore.preflight"]  # the graph sees lazy imports
+    assert "slimecore.protocols" in graph["slimecore.hookspecs"]  # and those only for type checkers
     assert cycles(graph) == []
+
+
+ARCHITECTURE = PACKAGE.parent / "docs" / "architecture.md"
+
+
+def documented_layers() -> dict[str, int]:
+    """``{room: layer}`` from the table under "## Layers" in docs/architecture.md: a room is a file or folder of
+    slimecore/ as written there (``config.py``, ``engines/``, ``compat/slime/``)."""
+    section = ARCHITECTURE.read_text().split("## Layers", 1)[1].split("\n## ", 1)[0]
+    layers = {}
+    for number, rooms in re.findall(r"^\| (\d+) \|[^|]*\|(.*)\|$", section, flags=re.M):
+        for room in re.findall(r"`([^`]+)`", rooms):
+            assert room not in layers, f"{room} stands on two layers in docs/architecture.md"
+            layers[room] = int(number)
+    return layers
+
+
+def room_of(module: str, rooms: set[str]) -> str:
+    """The longest documented file or folder that holds ``module`` (``slimecore.engines.fleet`` -> ``engines/``)."""
+    path = module.split(".")[1:]
+    candidates = ["/".join(path[:i]) + "/" for i in range(len(path), 0, -1)] + ["/".join(path) + ".py"]
+    if not path or _modules()[module].name == "__init__.py":
+        candidates = ["/".join(path + ["__init__.py"])] + candidates
+    return next((c for c in sorted(candidates, key=len, reverse=True) if c in rooms), "/".join(path) + ".py")
+
+
+def test_imports_follow_the_layers_of_the_architecture_page():
+    layers = documented_layers()
+    assert layers["hookspecs.py"] == layers["protocols.py"] == layers["types.py"] == 1  # the contract is the ground
+    graph = import_graph()
+    room = {module: room_of(module, set(layers)) for module in graph}
+    unplaced = sorted({r for r in room.values() if r not in layers})
+    assert not unplaced, f"modules on no layer: give each a row in docs/architecture.md's Layers table: {unplaced}"
+    upward, rooms = [], {}
+    for module, targets in graph.items():
+        for target in targets:
+            a, b = room[module], room[target]
+            if a != b:
+                rooms.setdefault(a, set()).add(b)
+                if layers[a] < layers[b]:
+                    upward.append(f"{module} (layer {layers[a]}) imports {target} (layer {layers[b]})")
+    assert upward == [], "imports from a lower layer to a higher one:\n" + "\n".join(sorted(upward))
+    assert cycles(rooms) == [], "files or folders that import each other in a circle"
 
 
 def test_the_cycle_check_finds_a_circle_through_a_lazy_import():
