@@ -3,7 +3,8 @@ micro-batching and the number of DP ranks: grpo (with KL loss, clip-higher, dual
 ICEPOP), gspo,
 ppo's actor and critic, reinforce++ and reinforce++-baseline (whose advantage whitening spans the DP ranks).
 
-The plugins are loaded as a run loads them; only the batch is synthetic (``test_fsdp_trainer._data``)."""
+The plugins are loaded as a run loads them; only the batch is synthetic (``test_fsdp_trainer._data``). The
+micro-batching test runs on the CPU and, marked ``gpu``, on CUDA (``tests/devices.py``: tolerances per device)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import random
 import pytest
 import torch
 
+from devices import DEVICES, fp32_strict, tolerance
 from slimecore.config import Config
 from slimecore.plugins import load_plugins
 from slimecore.testing.distributed import run_ranks
@@ -53,33 +55,37 @@ def _case_data(role: str):
     return data
 
 
-def _train(checkpoint, case, dp_size=1, rank=0, **part_kw):
+def _train(checkpoint, case, dp_size=1, rank=0, device=None, **part_kw):
     name, plugin, overrides, role = case
     data = _case_data(role)
     config = _config(checkpoint, plugin, overrides, len(set(data["rollout_ids"])))
     torch.manual_seed(0)
-    trainer = Trainer(config, load_plugins([plugin]), rank=rank, world_size=dp_size, role=role)
+    trainer = Trainer(config, load_plugins([plugin]), rank=rank, world_size=dp_size, role=role, device=device)
     metrics = trainer.train(0, _part(data, dp_size=dp_size, rank=rank, **part_kw))
     return metrics, _flat_grads(trainer)
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
-def test_micro_batching_does_not_change_the_loss_or_gradients(tiny_checkpoint, case):
-    m1, g1 = _train(tiny_checkpoint, case, micro_batch_size=8)
-    assert g1.abs().max().item() > 0
+def test_micro_batching_does_not_change_the_loss_or_gradients(tiny_checkpoint, case, device):
+    tol = tolerance(device)
+    with fp32_strict():
+        m1, g1 = _train(tiny_checkpoint, case, device=device, micro_batch_size=8)
+    assert g1.device.type == device and g1.abs().max().item() > 0
     loss_key = "train/value_loss" if case[3] == "critic" else "train/pg_loss"
     for part_kw in ({"micro_batch_size": 2}, {"micro_batch_size": None, "max_tokens": 20}):
-        m, g = _train(tiny_checkpoint, case, **part_kw)
+        with fp32_strict():
+            m, g = _train(tiny_checkpoint, case, device=device, **part_kw)
         for key in ("train/loss", loss_key, "train/grad_norm"):
-            assert m[key] == pytest.approx(m1[key], abs=1e-6), (key, part_kw)
-        assert (g - g1).abs().max().item() < 1e-6, part_kw
+            assert m[key] == pytest.approx(m1[key], abs=tol), (key, part_kw)
+        assert (g - g1).abs().max().item() < tol, part_kw
 
 
 def _per_rank(rank, world, checkpoint):
     results = {}
     for case in CASES:
         metrics, grads = _train(checkpoint, case, dp_size=world, rank=rank, micro_batch_size=1)
-        results[case[0]] = (metrics["train/loss"], metrics["train/grad_norm"], grads.numpy())
+        results[case[0]] = (metrics["train/loss"], metrics["train/grad_norm"], grads.cpu().numpy())
     return results
 
 
@@ -90,4 +96,4 @@ def test_two_dp_ranks_match_one_for_every_algorithm(tiny_checkpoint):
             metrics, want = expected[name]
             assert loss == pytest.approx(metrics["train/loss"], abs=1e-6), name
             assert norm == pytest.approx(metrics["train/grad_norm"], abs=1e-6), name
-            assert (torch.from_numpy(grads) - want).abs().max().item() < 1e-6, name
+            assert (torch.from_numpy(grads) - want.cpu()).abs().max().item() < 1e-6, name

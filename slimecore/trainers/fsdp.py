@@ -122,17 +122,18 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 class FSDPBackend:
     """The fsdp ``TrainBackend`` of one rank (see ``slimecore.trainers.backend``). ``process_group``: the
     group to shard or all-reduce over (default: the world); ``shard``: FSDP2 (default: on CUDA with more
-    than one rank)."""
+    than one rank); ``device``: where to train (default: ``training_device()``, the current GPU or the CPU)."""
 
     def __init__(self, config, hooks=None, *, rank: int = 0, world_size: int = 1, value_model: bool = False,
-                 keep_reference: bool = False, process_group=None, shard: bool | None = None):
+                 keep_reference: bool = False, process_group=None, shard: bool | None = None,
+                 device: str | torch.device | None = None):
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         if world_size > 1 and not dist.is_initialized():
             raise RuntimeError(f"FSDPBackend(world_size={world_size}) needs torch.distributed initialised first")
         self.config, self.rank, self.world_size = config, rank, world_size
         self.group = process_group
-        self.device = training_device()
+        self.device = torch.device(device) if device is not None else training_device()
         self.sharded = (self.device.type == "cuda" and world_size > 1) if shard is None else (shard and world_size > 1)
         self.collective_export = self.sharded
 
@@ -420,10 +421,12 @@ class FSDPBackend:
         self._move_to(self.device)
 
     def _move_to(self, device: torch.device) -> None:
+        """Parameters, their gradients and every optimizer state tensor to ``device``: the fused AdamW keeps
+        its ``step`` counters on the parameters' device too (and checks that they are there), so they move."""
         self.model.to(device)  # moves each parameter's .grad with it
         for state in self.optimizer.state.values():
             for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step":
+                if isinstance(value, torch.Tensor):
                     state[key] = value.to(device)
 
     def hf_weight_buckets(self, bucket_bytes: int) -> Iterator[list[tuple[str, torch.Tensor]]]:
@@ -483,9 +486,9 @@ class FSDPBackend:
         opt_file = path / self._optimizer_file()
         if opt_file.is_file():
             saved = torch.load(opt_file, weights_only=False)
+            for group in saved["optimizer"]["param_groups"]:  # a checkpoint from before the fused kernel resumes
+                group["fused"] = True  # with it: set before loading, so that torch puts its "step" on the device
             self.optimizer.load_state_dict(saved["optimizer"])
-            for group in self.optimizer.param_groups:  # a checkpoint from before the fused kernel resumes with it
-                group["fused"] = True
             self.scheduler.load_state_dict(saved["scheduler"])
         elif not self.config.no_save_optim:
             raise FileNotFoundError(f"{opt_file} is missing; the checkpoint was saved with --no-save-optim? "
