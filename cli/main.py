@@ -16,7 +16,7 @@ from rich.table import Table
 import slimecore
 from slimecore.finalize import finalize
 
-from slimecore.config import (CORE_BY_NAME, ConfigError, build_parser, collect_plugin_options, flag_text,
+from slimecore.config import (CORE_BY_NAME, ConfigError, flag_text,
                               parse_config, prescan)
 from slimecore.plugins import (SPECS, PluginError, installed_entry_points, load_plugins,
                                normalize_spec)
@@ -48,8 +48,10 @@ def train(ctx):
         argv = _normalized_plugin_args(argv)
         hooks = load_plugins(specs)
         declared = hooks.slime_options()
-        if "--help" in argv or "-h" in argv:
-            click.echo(build_parser(collect_plugin_options(declared)).format_help())
+        if {"--help", "-h", "--help-all"} & set(argv):
+            from slimecore_cli.help import train_help
+
+            click.echo(train_help(hooks, declared, every="--help-all" in argv), nl=False)
             return
         implied = hooks.slime_implied_options()
         config = parse_config(argv, specs, declared, implied, hooks.slime_quickstart_options())

@@ -111,7 +111,8 @@ CORE_OPTIONS: list[Option] = [
     _O("num_rollout", int, None, "Number of RL steps. Default: len(data) // rollout_batch_size * num_epoch.", group="data"),
     _O("num_epoch", int, None, "Epochs over the prompts when --num-rollout is not given.", group="data"),
     _O("start_rollout_id", int, None, "Override the first step (normally restored by --load).", group="data"),
-    _O("rollout_batch_size", int, None, "Prompts per rollout step (required).", group="data"),
+    _O("rollout_batch_size", int, None, "Prompts per rollout step; needed with --prompt-data (the built-in task's and a "
+       "plugin's quick start set it).", group="data"),
     _O("n_samples_per_prompt", int, 1, "Responses per prompt (group size).", group="data"),
     _O("global_batch_size", int, None, "Rollouts per optimizer step. Default: one step per rollout.", group="data"),
     _O("num_steps_per_rollout", int, None, "Optimizer steps per rollout (sets --global-batch-size).", group="data"),

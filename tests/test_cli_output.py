@@ -88,3 +88,40 @@ def test_plugins_listing_is_cached_by_distribution_and_file(tmp_path):
     imported, names_again, modules = listing()
     assert imported == [] and names_again == names and modules == []  # from the cache: nothing imported
     assert (tmp_path / "plugins.json").is_file()
+
+
+def _option_text(text: str, flag: str) -> str:
+    """The lines of ``flag``'s entry in a help text (its first line up to the next option)."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"  {flag} ") or line == f"  {flag}"
+                 or line.startswith(f"  {flag},"))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" " * 34)), len(lines))
+    return " ".join(line.strip() for line in lines[start:end])
+
+
+def test_train_help_is_short_grouped_and_shows_each_type_and_default():
+    import pytest
+
+    pytest.importorskip("slime_grpo", reason="the grpo plugin is installed by scripts/setup.sh")
+    proc = subprocess.run([sys.executable, "-m", "slimecore_cli", "train", "--plugin", "grpo", "--help"],
+                          capture_output=True, text=True, timeout=120, env={**__import__("os").environ,
+                                                                             "COLUMNS": "100"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = proc.stdout
+    headers = [line.split(" (")[0].rstrip(":") for line in text.splitlines() if line and not line.startswith(" ")
+               and line.endswith(":")]
+    assert headers == ["core", "data", "rollout", "algorithm plugin", "backend", "engine", "advanced"]
+    assert len(text.splitlines()) < 200 and "PLUGIN." not in text and "(required)" not in text
+    assert "[default 0.2]" in _option_text(text, "--eps-clip FLOAT")
+    assert "default 1e-06; quick start: 1e-05 without --prompt-data" in _option_text(text, "--lr FLOAT")
+    assert "[default 1.0]" in _option_text(text, "--rollout-temperature FLOAT")
+    assert "[default 0.0]" in _option_text(text, "--kl-loss-coef FLOAT")
+    assert "default 1; quick start: 8" in _option_text(text, "--n-samples-per-prompt INT")
+    assert "quick start: 8 without --prompt-data" in _option_text(text, "--rollout-batch-size INT")
+    assert "[default off]" in _option_text(text, "--colocate, --no-colocate")
+    assert "--save DIR" in text and "--prompt-data FILE" in text
+    every = subprocess.run([sys.executable, "-m", "slimecore_cli", "train", "--help-all"], capture_output=True,
+                           text=True, timeout=120).stdout
+    assert "-> transformer.num_layers" in _option_text(every, "--num-layers INT")  # Megatron's pass-through
+    assert "--rollout-function-path TEXT" in every and "--rollout-function-path" not in text  # advanced: all only
+    assert "sglang (--rollout-engine sglang" in every

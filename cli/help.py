@@ -1,0 +1,174 @@
+"""``slime-core train --help``: the options a person starts with, grouped, each with its type and default;
+``--help-all``: every option, Megatron's and SGLang's pass-through flags included.
+
+Written from the option tables (``slimecore.config.CORE_OPTIONS``, the active plugins' ``slime_options``,
+``slimecore.megatron_flags``, SGLang's ``ServerArgs`` read from its source), not from argparse, so that a
+default shows as its value and a placeholder says what to type (``--eps-clip FLOAT``, ``--save DIR``).
+"""
+
+from __future__ import annotations
+
+import shutil
+import textwrap
+
+from slimecore.config import CORE_OPTIONS, Option, json_value
+from slimecore.plugins import DEFAULT_PLUGINS
+
+SECTIONS = ("core", "data", "rollout", "algorithm plugin", "backend", "engine", "advanced")
+CORE = ("hf_checkpoint", "prompt_data", "task", "rollout_batch_size", "n_samples_per_prompt", "num_rollout",
+        "num_epoch", "lr", "seed", "save", "save_interval", "load", "log_dir", "log_level")
+BACKEND = ("train_backend", "actor_num_nodes", "actor_num_gpus_per_node", "colocate", "offload", "offload_train",
+           "cpu_threads_per_actor")
+ENGINE = ("rollout_engine", "rollout_num_gpus", "rollout_num_gpus_per_engine", "offload_rollout", "engines",
+          "rollout_host", "use_fault_tolerance", "max_staleness", "update_weights_interval")
+BY_GROUP = {"data": "data", "rollout": "rollout", "agent": "rollout", "eval": "rollout", "train": "backend",
+            "megatron": "backend", "checkpoint": "backend", "cluster": "advanced"}
+# what `--help` shows of each section (the rest is under --help-all); plugin options are always shown
+SHORT = set(CORE) | {
+    "input_key", "label_key", "apply_chat_template", "rollout_shuffle", "global_batch_size", "micro_batch_size",
+    "rollout_temperature", "rollout_top_p", "rollout_max_response_len", "rm_type", "eval_prompt_data",
+    "eval_interval", "dynamic_sampling_filter", "max_turns", "train_backend", "actor_num_gpus_per_node", "colocate",
+    "bf16", "use_lora", "train_async", "fully_async", "tensor_model_parallel_size", "rollout_engine",
+    "rollout_num_gpus", "rollout_num_gpus_per_engine", "update_weight_transport", "ray_address", "use_wandb",
+    "log_samples"}
+PATHS = {"hf_checkpoint": "DIR", "prompt_data": "FILE", "save": "DIR", "load": "DIR", "log_dir": "DIR",
+         "eval_config": "FILE", "sglang_config": "FILE", "save_debug_rollout_data": "TEMPLATE",
+         "load_debug_rollout_data": "TEMPLATE", "eval_prompt_data": "NAME FILE", "rm_url": "URL",
+         "ray_address": "ADDRESS", "sglang_launch_command": "COMMAND"}
+
+
+def section(option: Option) -> str:
+    """The ``--help`` section of a core option."""
+    if option.name in CORE:
+        return "core"
+    if option.name in BACKEND:
+        return "backend"
+    if option.name in ENGINE or option.name.startswith(("sglang_", "update_weight")):
+        return "engine"
+    return BY_GROUP.get(option.group, "advanced")
+
+
+def metavar(option: Option) -> str:
+    """What to type after the flag: its type, or a word saying what it names."""
+    if option.type is bool:
+        return ""
+    if option.choices:
+        return "{" + ",".join(map(str, option.choices)) + "}"
+    word = PATHS.get(option.name) or {int: "INT", float: "FLOAT", json_value: "JSON"}.get(option.type, "TEXT")
+    return {"+": f"{word} [{word} ...]", "*": f"[{word} ...]", "?": f"[{word}]"}.get(option.nargs, word)
+
+
+def flag_column(option: Option) -> str:
+    if option.type is bool:  # a switch named no_* has no negative form
+        return option.flag if option.name.startswith("no_") else f"{option.flag}, --no-{option.flag[2:]}"
+    return f"{option.flag} {metavar(option)}"
+
+
+def _value(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    if isinstance(value, (list, tuple)):
+        return " ".join(map(str, value))
+    return str(value)
+
+
+def default_text(option: Option, quickstart: dict, implied: dict) -> str:
+    """``default 0.2``, with the quick start's value (no --prompt-data) and what an active plugin sets."""
+    parts = []
+    if option.default is not None and option.default != {}:
+        parts.append(f"default {_value(option.default)}")
+    if option.name in quickstart:
+        value, who = quickstart[option.name]
+        parts.append(f"{who}: {_value(value)} without --prompt-data")
+    if option.name in implied:
+        value, who = implied[option.name]
+        parts.append(f"plugin {who!r} sets {_value(value)}")
+    return "; ".join(parts)
+
+
+def _lines(flag: str, text: str, width: int) -> list[str]:
+    indent = 34
+    body = textwrap.wrap(text, max(30, width - indent)) or [""]
+    if len(flag) + 2 >= indent:
+        return [f"  {flag}"] + [" " * indent + line for line in body]
+    return [f"  {flag:<{indent - 2}}{body[0]}"] + [" " * indent + line for line in body[1:]]
+
+
+def train_help(hooks, declared: dict[str, list[Option]], every: bool = False, width: int | None = None) -> str:
+    """The text of ``slime-core train --help`` (``every``: ``--help-all``) for the active plugins ``hooks``."""
+    from slimecore.config import collect_plugin_options
+    from slimecore.data.tasks import TASKS
+
+    width = width or min(120, max(70, shutil.get_terminal_size((100, 24)).columns))
+    quickstart = {name: (value, "quick start") for name, value in TASKS[_default_task()].recommended.items()}
+    for plugin, values in hooks.slime_quickstart_options().items():
+        quickstart.update({name: (value, f"plugin {plugin!r}") for name, value in values.items()})
+    implied = {name: (value, plugin) for plugin, values in hooks.slime_implied_options().items()
+               for name, value in values.items()}
+    rows: dict[str, list[tuple[Option, str]]] = {name: [] for name in SECTIONS}
+    hidden = dict.fromkeys(SECTIONS, 0)
+    for option in CORE_OPTIONS:
+        where = section(option)
+        if every or option.name in SHORT:
+            rows[where].append((option, option.help))
+        else:
+            hidden[where] += 1
+    for name, (option, owners) in collect_plugin_options(declared).items():
+        if all(owner in DEFAULT_PLUGINS for owner in owners):  # the built-in defaults' (slime's --*-path ...)
+            if every:
+                rows["advanced"].append((option, option.help))
+            else:
+                hidden["advanced"] += 1
+        else:
+            rows["algorithm plugin"].append((option, f"{option.help} ({', '.join(owners)})"))
+    out = ["usage: slime-core train [--plugin NAME ...] [--config FILE] [options]", "",
+           "  --plugin NAME                   An installed plugin (`slime-core plugins`), a module or a .py file;",
+           "                                  repeat it for several. Its options are listed under 'algorithm plugin'.",
+           "  --config FILE                   A YAML file of options (a run folder's config.yaml replays that run);",
+           "                                  the command line overrides it.",
+           "  --help-all                      Every option, Megatron's and SGLang's pass-through flags included."]
+    for name in SECTIONS:
+        if not rows[name] and not hidden[name]:
+            continue
+        more = f" ({hidden[name]} more under --help-all)" if hidden[name] else ""
+        out += ["", f"{name}{more}:"]
+        if name == "algorithm plugin" and not rows[name]:
+            out.append("  (none: `slime-core train --plugin grpo --help` shows that plugin's options)")
+        for option, text in rows[name]:
+            default = default_text(option, quickstart, implied)
+            out += _lines(flag_column(option), text + (f" [{default}]" if default else ""), width)
+    if every:
+        out += passthrough(width)
+    else:
+        out += [""] + textwrap.wrap("Megatron's flags (--num-layers ...) and SGLang's server arguments "
+                                    "(--sglang-<field>) pass through too; --help-all lists them.", width)
+    return "\n".join(out) + "\n"
+
+
+def _default_task() -> str:
+    return next(o.default for o in CORE_OPTIONS if o.name == "task")
+
+
+def passthrough(width: int) -> list[str]:
+    """The Megatron flags slime-core passes to megatron-core (``--train-backend megatron``) and SGLang's
+    ``ServerArgs`` fields (``--sglang-<field>``, ``--rollout-engine sglang``)."""
+    from slimecore.megatron_args import flag_table
+    from slimecore.sglang_schema import OWNED, server_args_fields
+
+    core = {o.flag for o in CORE_OPTIONS}
+    kinds = {"int": "INT", "float": "FLOAT", "str": "TEXT", "freq": "PATTERN", "tuple": "VALUES", "none": "VALUE"}
+    out = ["", "megatron (--train-backend megatron; each sets its megatron-core config field):"]
+    for flag, entry in sorted(flag_table().items()):
+        if flag in core:
+            continue
+        word = "" if entry.kind == "bool" else "{" + ",".join(map(str, entry.choices)) + "}" if entry.choices \
+            else kinds.get(entry.kind, entry.kind.upper())
+        out += _lines(f"{flag} {word}".rstrip(), f"-> {entry.target or 'Megatron-LM'}.{entry.dest}", width)
+    fields = server_args_fields()
+    out += ["", "sglang (--rollout-engine sglang; --sglang-<field> VALUE sets ServerArgs.<field> of every engine):"]
+    if fields is None:
+        return out + ["  (sglang is not installed here: its fields are checked where it is)"]
+    names = ["--sglang-" + name.replace("_", "-") for name in sorted(fields) if name not in OWNED]
+    out += textwrap.wrap(", ".join(names), width - 2, initial_indent="  ", subsequent_indent="  ",
+                         break_on_hyphens=False)
+    return out
