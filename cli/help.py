@@ -152,18 +152,25 @@ def _default_task() -> str:
 def passthrough(width: int) -> list[str]:
     """The Megatron flags slime-core passes to megatron-core (``--train-backend megatron``) and SGLang's
     ``ServerArgs`` fields (``--sglang-<field>``, ``--rollout-engine sglang``)."""
-    from slimecore.megatron_args import flag_table
+    from slimecore.megatron_args import known_fields
     from slimecore.sglang_schema import OWNED, server_args_fields
 
     core = {o.flag for o in CORE_OPTIONS}
     kinds = {"int": "INT", "float": "FLOAT", "str": "TEXT", "freq": "PATTERN", "tuple": "VALUES", "none": "VALUE"}
     out = ["", "megatron (--train-backend megatron; each sets its megatron-core config field):"]
-    for flag, entry in sorted(flag_table().items()):
+    try:
+        fields = known_fields()
+    except ImportError:
+        fields = {}
+        out.append("  (megatron-core is not installed here)")
+    rows = sorted((getattr(f, "flag", "") or "--" + name.replace("_", "-"), f) for name, f in fields.items())
+    for flag, field in rows:
         if flag in core:
             continue
-        word = "" if entry.kind == "bool" else "{" + ",".join(map(str, entry.choices)) + "}" if entry.choices \
-            else kinds.get(entry.kind, entry.kind.upper())
-        out += _lines(f"{flag} {word}".rstrip(), f"-> {entry.target or 'Megatron-LM'}.{entry.dest}", width)
+        choices = getattr(field, "choices", None)
+        word = "" if field.kind == "bool" else "{" + ",".join(map(str, choices)) + "}" if choices \
+            else kinds.get(field.kind, str(field.kind).upper())
+        out += _lines(f"{flag} {word}".rstrip(), f"-> {field.target or 'Megatron-LM'}.{field.name}", width)
     fields = server_args_fields()
     out += ["", "sglang (--rollout-engine sglang; --sglang-<field> VALUE sets ServerArgs.<field> of every engine):"]
     if fields is None:
