@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from slimecore.config import Config, ConfigError
+from slimecore.config import CORE_BY_NAME, Config, ConfigError
 from slimecore.plugins import Hooks, PluginError
 
 ROWS_RENDERED = 16  # rows whose chat template is rendered in the driver (the keys of every row are checked)
@@ -37,6 +37,8 @@ def check_before_ray(config: Config, hooks: Hooks, roles: list):
     check_writable(config.log_dir, "--log-dir")
     files = check_prompt_files(config, hooks)
     check_reward_type(config, hooks)
+    if config.starts_engines:
+        check_router_installed()
     check_local_placement(config, roles)
     tokenizer = check_hf_checkpoint(config)
     render_prompts(config, tokenizer, files)
@@ -56,6 +58,21 @@ def check_local_placement(config: Config, roles: list) -> None:
         return
     bundles, _, _, what = cpu_bundles(config, [role.name for role in roles])
     check_placement(bundles, what, nodes=[{"CPU": float(local_cpus())}])
+
+
+def check_router_installed() -> None:
+    """The sglang-router's compiled part (``sglang_router.sglang_router_rs``), which the rollout manager's router
+    process runs: without it that process dies at start-up with an engine already loading."""
+    import importlib.util
+
+    try:
+        found = importlib.util.find_spec("sglang_router.sglang_router_rs") is not None
+    except ImportError:  # no sglang_router package at all
+        found = False
+    if not found:
+        raise ConfigError("the sglang-router package or its compiled router (sglang_router.sglang_router_rs) is not "
+                          "installed in this environment, and the rollout needs it in front of the engines; "
+                          "pip install --force-reinstall 'sglang-router>=0.3'")
 
 
 def may_have_gpus() -> bool:
@@ -198,12 +215,34 @@ def render_prompts(config: Config, tokenizer, files: list[tuple[str, list, str, 
     from slimecore.data.dataset import DataError
     from slimecore.data.source import prompts_from_rows
 
+    shortest = None
     for spec, rows, input_key, label_key, chat in files:
         try:
-            prompts_from_rows(config, tokenizer, rows[:ROWS_RENDERED], spec, input_key=input_key,
-                              label_key=label_key, apply_chat_template=chat)
+            records, _ = prompts_from_rows(config, tokenizer, rows[:ROWS_RENDERED], spec, input_key=input_key,
+                                           label_key=label_key, apply_chat_template=chat)
         except DataError as exc:
             raise ConfigError(str(exc)) from None
+        shortest = min([len(r["tokens"]) for r in records] + ([shortest] if shortest is not None else []))
+    check_response_len(config, shortest or 0)
+
+
+def check_response_len(config: Config, prompt_tokens: int) -> None:
+    """``--rollout-max-response-len`` (and the eval one) fit in the context after the shortest checked prompt
+    (``prompt_tokens``): the engine would otherwise stop every response at the context's end, unsaid."""
+    from slimecore.data.source import context_len
+
+    context, source = context_len(config)
+    for name in ("rollout_max_response_len", "eval_max_response_len"):
+        value, flag = getattr(config, name), "--" + name.replace("_", "-")
+        if not (context and value and value + prompt_tokens > context):
+            continue
+        room = context - prompt_tokens
+        message = (f"{flag} {value} does not fit the model's context of {context} tokens ({source})"
+                   + (f" after a prompt of {prompt_tokens} tokens (the shortest checked)" if prompt_tokens else "")
+                   + f": responses would stop at {room} tokens. Give {flag} {room} or less")
+        if value != CORE_BY_NAME[name].default:
+            raise ConfigError(message)
+        log.warning("%s (the default)", message)  # a small model under the default length: still runs
 
 
 def check_reward_type(config: Config, hooks: Hooks) -> None:

@@ -40,7 +40,7 @@ def _prompts(tokenizer, rows, **kw):
 
 @pytest.mark.parametrize("suffix,labels", [("", list(range(10))), ("@[2:5]", [2, 3, 4]), ("@[-2:]", [8, 9]),
                                            ("@[:3]", [0, 1, 2]), ("@[7:]", [7, 8, 9]), ("@[ 1 : -7 ]", [1, 2]),
-                                           ("@[:]", list(range(10))), ("@[5:100]", [5, 6, 7, 8, 9])])
+                                           ("@[:]", list(range(10))), ("@[5:10]", [5, 6, 7, 8, 9])])
 def test_jsonl_slices_follow_python(tmp_path, suffix, labels):
     spec = _jsonl(tmp_path / "d.jsonl", [{"input": f"q{i}", "label": i} for i in range(10)])
     rows = read_rows(spec + suffix)
@@ -69,15 +69,28 @@ def test_parquet_rows_and_at_sign_in_path(tmp_path):
     (['{"input": "a"}'], "@[x:y]", ["bad slice [x:y]", "path@[start:end]"]),
     (['{"input": "a"}'], "@[1:2:3]", ["bad slice"]),
     (['{"input": "a"}'], "@[1:2", ["bad slice; write path@[start:end]"]),
-    (['{"input": "a"}'], "@[5:]", ["selects none of the 1 rows"]),
+    (['{"input": "a"}'], "@[1:]", ["selects none of the 1 rows"]),
+    (['{"input": "a"}'] * 20, "@[15:100]", ["slice reaches row 100 but", "has 20 rows", "@[15:]"]),
+    (['{"input": "a"}'] * 3, "@[-5:]", ["slice reaches row -5"]),
+    (['{"input": "a"}', '{"input": "caf\xe9"}'], "", ["d.jsonl, line 2: not UTF-8 (byte 0xe9 at column 15)"]),
 ])
 def test_file_errors_name_the_file_line_and_fix(tmp_path, content, suffix, messages):
     path = tmp_path / "d.jsonl"
-    path.write_text("\n".join(content))
+    path.write_bytes("\n".join(content).encode("latin-1"))
     with pytest.raises(DataError) as err:
         read_rows(str(path) + suffix)
     for message in messages:
         assert message in str(err.value)
+
+
+def test_a_parquet_list_column_is_described(tmp_path, tokenizer):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"input": [[1, 2, 3]], "label": ["1"]}), tmp_path / "d.parquet")
+    with pytest.raises(DataError, match=r"d.parquet, row 1: 'input' must be a string or a list of chat messages .* "
+                                        r"got a list of 3 int values; point --input-key at the prompt text"):
+        _prompts(tokenizer, read_rows(str(tmp_path / "d.parquet")))
 
 
 def test_unknown_extension_missing_file_and_bad_parquet(tmp_path):
@@ -104,14 +117,14 @@ def test_missing_keys_name_the_line_the_keys_and_the_flag(tmp_path, tokenizer):
 
 @pytest.mark.parametrize("row,message", [
     ({"input": "a", "metadata": "not json"}, "'metadata' is a string but not JSON"),
-    ({"input": "a", "metadata": "[1]"}, "'metadata' must be a dict (or a JSON string of one), got a list"),
+    ({"input": "a", "metadata": "[1]"}, "'metadata' must be a dict (or a JSON string of one), got a list of 1 int values"),
     ({"input": "a", "metadata": 3}, "'metadata' must be a dict"),
     ({"input": "a", "tools": {"name": "x"}}, "'tools' must be a list"),
-    ({"input": 7}, "'input' must be a string or a list of chat messages, got a int"),
+    ({"input": 7}, "got an int; point --input-key at the prompt text"),
     ({"input": [{"role": "user", "content": "a"}]}, "list of chat messages; add --apply-chat-template"),
     ({"input": [{"role": "usr", "content": "a"}]}, "message 1 has role 'usr'; chat messages need a role among system"),
     ({"input": [{"role": "user"}]}, "message 1 (user) has no 'content'"),
-    ({"input": []}, "must be a string or a list of chat messages, got a list"),
+    ({"input": []}, "must be a string or a list of chat messages"),
 ])
 def test_bad_fields_are_reported(tmp_path, tokenizer, row, message):
     rows = read_rows(_jsonl(tmp_path / "d.jsonl", [row]))

@@ -45,11 +45,16 @@ def parse_spec(spec: str) -> tuple[Path, slice]:
 
 def _read_jsonl(path: Path) -> list[tuple[str, dict]]:
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with path.open("rb") as f:
+        for number, raw in enumerate(f, start=1):
+            where = f"{path}, line {number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise DataError(f"{where}: not UTF-8 (byte 0x{raw[exc.start]:02x} at column {exc.start + 1}); "
+                                "save the file as UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
             if not line.strip():
                 continue
-            where = f"{path}, line {number}"
             try:
                 row = json.loads(line)
             except json.JSONDecodeError as exc:
@@ -143,6 +148,11 @@ def read_rows(spec: str) -> list[tuple[str, dict]]:
     if not rows:
         raise DataError(f"prompt file {path} has no rows; fill it (one JSON object per line) or point "
                         "--prompt-data at another file")
+    past = [bound for bound in (part.start, part.stop) if bound is not None and abs(bound) > len(rows)]
+    if past:
+        raise DataError(f"--prompt-data {spec!r}: the slice reaches row {past[0]} but {path} has {len(rows)} rows; "
+                        f"give bounds within -{len(rows)}..{len(rows)} (an open end, e.g. @[{part.start or 0}:], "
+                        "takes the rest)")
     chosen = rows[part]
     if not chosen:
         raise DataError(f"--prompt-data {spec!r}: the slice selects none of the {len(rows)} rows; "
@@ -161,7 +171,7 @@ def json_field(row: dict, key: str, where: str, kind: type):
                             "or a string holding one") from None
     if value is not None and not isinstance(value, kind):
         raise DataError(f"{where}: {key!r} must be a {kind.__name__} (or a JSON string of one), "
-                        f"got a {type(value).__name__}")
+                        f"got {_described(value)}")
     return value
 
 
@@ -198,9 +208,19 @@ def parse_row(where: str, row: dict, *, input_key: str, label_key: str | None, m
             raise DataError(f"{where}: {input_key!r} is a list of chat messages; add --apply-chat-template "
                             "so the tokenizer's template renders them")
     elif not isinstance(prompt, str):
-        raise DataError(f"{where}: {input_key!r} must be a string or a list of chat messages, "
-                        f"got a {type(prompt).__name__}")
+        raise DataError(f"{where}: {input_key!r} must be a string or a list of chat messages ({{\"role\", "
+                        f"\"content\"}} objects), got {_described(prompt)}; point --input-key at the prompt text")
     return prompt, (row[label_key] if label_key else None), metadata, tools
+
+
+def _described(value) -> str:
+    """``a list of 3 int`` / ``an empty list`` / ``a float``: what a row holds, for a message (a parquet list column
+    arrives as a Python list of its element type)."""
+    if isinstance(value, (list, tuple)):
+        kinds = sorted({type(item).__name__ for item in value})
+        return f"a list of {len(value)} {' / '.join(kinds)} values" if value else "an empty list"
+    name = type(value).__name__
+    return f"{'an' if name[0] in 'aeiou' else 'a'} {name}"
 
 
 def to_prompts(rows: list[tuple[str, dict]], tokenizer, *, input_key: str, label_key: str | None,

@@ -79,13 +79,23 @@ def prompt_limit(config) -> tuple[int | None, str]:
     slime does; a longer prompt would be refused by the engine (HTTP 400) and stop the run."""
     if config.rollout_max_prompt_len is not None:
         return config.rollout_max_prompt_len, "--rollout-max-prompt-len"
+    context, _ = context_len(config)
+    if not context:
+        return None, ""
+    return context - 1, ("--rollout-max-context-len - 1 =" if config.rollout_max_context_len
+                         else f"the model's context ({context}) - 1 =")
+
+
+def context_len(config) -> tuple[int | None, str]:
+    """Prompt + response tokens the engines hold, and where that comes from: ``--rollout-max-context-len``, else
+    the model's ``max_position_embeddings`` (None when neither is known)."""
     if config.rollout_max_context_len:
-        return config.rollout_max_context_len - 1, "--rollout-max-context-len - 1 ="
+        return config.rollout_max_context_len, "--rollout-max-context-len"
     model_config = Path(config.hf_checkpoint or "") / "config.json"
     if not config.hf_checkpoint or not model_config.is_file():
         return None, ""
     context = json.loads(model_config.read_text()).get("max_position_embeddings")
-    return (context - 1, f"the model's context ({context}) - 1 =") if context else (None, "")
+    return context, f"max_position_embeddings in {model_config}"
 
 
 class PromptDataSource(DataSource):
