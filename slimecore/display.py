@@ -3,8 +3,8 @@
 On a terminal: a live bar over the steps with the ETA, the stage running now (generate / train / sync / save /
 eval / export) and the last step's reward, response length and step time; each finished step also leaves a
 line above the bar. When the output is not a terminal (a log file, CI, ``| tee``) the same step lines are printed
-plainly, with no control characters. ``--log-level debug`` adds a line per stage, ``warning`` keeps only the
-summary.
+plainly, with no control characters, after a line per stage of the start-up and the first step (the long
+waits); ``--log-level debug`` adds a line per stage of every step, ``warning`` keeps only the summary.
 """
 
 from __future__ import annotations
@@ -99,6 +99,7 @@ class RunDisplay:
         self.progress: Progress | None = None
         self.task = None
         self.rerouted: list = []
+        self.seen_step = False  # until the first step ends, plain output says each stage it waits for
 
     def __enter__(self) -> "RunDisplay":
         if self.live:
@@ -111,6 +112,9 @@ class RunDisplay:
             self.rerouted = _reroute_log_handlers(streams, sys.stderr)
             self.task = self.progress.add_task("steps", total=self.total, stage="starting engines and trainers",
                                                eta="", last="")
+        elif self.level <= logging.INFO:  # the start-up's wait, said once in plain output too
+            self.console.print("starting engines and trainers (Ray, the router, the model on every process)",
+                               highlight=False)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -125,8 +129,8 @@ class RunDisplay:
         label = f"step {rollout_id + 1}: {words}" if name != "export" else words
         if self.progress:
             self.progress.update(self.task, stage=label)
-        elif self.level <= logging.DEBUG:
-            self.console.print(f"[dim]{escape(label)}[/]", highlight=False)
+        elif self.level <= logging.DEBUG or (self.level <= logging.INFO and not self.seen_step):
+            self.console.print(f"[dim]{escape(label)}[/]", highlight=False)  # the first step's waits at info
 
     def eta(self, done: int, total: int) -> float | None:
         """Mean step time so far times the steps left (start-up is not a step)."""
@@ -135,6 +139,7 @@ class RunDisplay:
         return sum(self.step_times) / len(self.step_times) * (total - done)
 
     def step(self, rollout_id: int, total: int, metrics: dict) -> None:
+        self.seen_step = True
         if "perf/step_time" in metrics:
             self.step_times.append(metrics["perf/step_time"])
         eta = self.eta(rollout_id + 1, total)

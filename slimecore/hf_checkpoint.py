@@ -22,6 +22,7 @@ import pickle
 import shutil
 import sys
 import tempfile
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,15 +81,23 @@ def _locked(lock_file: Path):
 
 
 def convert_gguf(gguf: Path, target: Path) -> Path:
-    """Dequantise ``gguf`` into a float32 safetensors HF directory ``target`` (replacing an old one)."""
+    """Dequantise ``gguf`` into a float32 safetensors HF directory ``target`` (replacing an old one). Each step
+    is said as it starts (``slimecore.hf_checkpoint`` at INFO; the dequantisation has transformers' own bar):
+    the whole takes a minute or two on a small CPU machine, before any run can start."""
+    started = time.perf_counter()
+    log.info("converting %s (%.0f MB) into an HF checkpoint in %s: importing torch and transformers", gguf.name,
+             gguf.stat().st_size / 1e6, target)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary directory
+        log.info("converting: reading the tokenizer from the GGUF file")
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        log.info("converting: dequantising the weights to float32")
         quantized = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        log.info("converting: writing safetensors, config and tokenizer")
         # A GGUF-loaded model refuses save_pretrained: rebuild it from its config, without the GGUF
         # quantization marker, and copy the (already dequantised) weights over.
         config = quantized.config
@@ -108,6 +117,7 @@ def convert_gguf(gguf: Path, target: Path) -> Path:
         os.replace(tmp, target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # only left over when the conversion failed
+    log.info("converted the default model in %.0f s; later runs reuse %s", time.perf_counter() - started, target)
     return target
 
 
@@ -144,6 +154,7 @@ def resolve_checkpoint(hf_checkpoint: str | None, cache_dir: str | Path | None =
     target = default_checkpoint_dir(cache_dir)
     if _is_current(target):  # fast path: no lock, no imports
         return target
+    log.info("the default model is not converted yet: converting it once (or waiting for the run converting it)")
     with _locked(target.parent / f".{target.name}.lock"):
         if not _is_current(target):  # another process may have converted it while we waited
             convert_gguf(find_default_gguf(), target)

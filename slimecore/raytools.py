@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 
 import ray
 import ray.util
@@ -37,20 +38,33 @@ def init_ray(config: Config) -> None:
         return
     env = {"RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "TOKENIZERS_PARALLELISM": "false",
            "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    debug = config.log_level == "debug"
+    if not debug:  # the actors' "Loading weights" / "Writing model shards" bars (transformers, huggingface_hub)
+        env["HF_HUB_DISABLE_PROGRESS_BARS"] = "1"  # would interleave with the run's own lines: on only for debug
+    ray_log_level = logging.INFO if debug else logging.WARNING  # Ray's "Started a local Ray instance" banner
     for key, value in env.items():
         os.environ.setdefault(key, value)
     if joins_cluster(config):  # the cluster's workers get these variables through the job's runtime env
         address = config.ray_address or os.environ["RAY_ADDRESS"]
         runtime_env = {"env_vars": {k: os.environ[k] for k in set(env) - _job_env_vars()}}
-        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env)
+        ray.init(address=address, log_to_driver=True, runtime_env=runtime_env, logging_level=ray_log_level)
         nodes = [n for n in ray.nodes() if n["Alive"]]
         log.info("joined the Ray cluster at %s: %d node(s), %s", address, len(nodes),
                  {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
         return
     # a local instance's processes inherit this environment, so no runtime env: with one, Ray starts every worker
     # afresh for the job instead of using the ones it prestarted (the first actors ran ~0.8 s later here)
-    ray.init(num_cpus=local_cpus(), include_dashboard=False, log_to_driver=True,
+    log.info("starting a local Ray instance (%d CPUs)", local_cpus())
+    started = time.perf_counter()
+    ray.init(num_cpus=local_cpus(), include_dashboard=False, log_to_driver=True, logging_level=ray_log_level,
              object_store_memory=int(os.environ.get("SLIMECORE_OBJECT_STORE_BYTES", 2 * 1024**3)))
+    log.info("Started a local Ray instance in %.1f s (its logs: %s)", time.perf_counter() - started, _session_logs())
+
+
+def _session_logs() -> str:
+    """Where Ray writes its processes' logs (the actors' full output) in this session."""
+    node = getattr(ray._private.worker, "_global_node", None)
+    return node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs"
 
 
 def local_cpus() -> int:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import logging
 import time
 
 import pytest
@@ -39,15 +40,19 @@ def test_default_model_needs_the_package(tmp_path, monkeypatch):
         resolve_checkpoint(None, cache_dir=tmp_path)
 
 
-def test_failed_conversion_leaves_no_cache(tmp_path, monkeypatch):
+def test_failed_conversion_leaves_no_cache(tmp_path, monkeypatch, caplog):
     pytest.importorskip("gguf")
     fake = tmp_path / "pkg" / "broken.gguf"
     fake.parent.mkdir()
     fake.write_bytes(b"not a gguf file")
     monkeypatch.setattr(hf_checkpoint, "find_default_gguf", lambda: fake)
-    with pytest.raises(Exception):
+    with caplog.at_level(logging.INFO, "slimecore.hf_checkpoint"), pytest.raises(Exception):
         resolve_checkpoint(None, cache_dir=tmp_path / "cache")
     target = default_checkpoint_dir(tmp_path / "cache")
+    # the minute or two of a real conversion is said, step by step, before any run line
+    assert "the default model is not converted yet: converting it once" in caplog.text
+    assert f"converting broken.gguf (0 MB) into an HF checkpoint in {target}" in caplog.text
+    assert "converting: reading the tokenizer from the GGUF file" in caplog.text
     assert not target.exists()
     assert [p.name for p in target.parent.iterdir()] == [f".{target.name}.lock"]  # no half-written directory
 

@@ -162,8 +162,18 @@ def test_plain_lines_when_not_a_terminal_and_log_levels():
         display.stage("generate", 0)
         display.step(0, 4, STEP)
     lines = out.getvalue().splitlines()
-    assert lines == ["step 1: generating",
+    assert lines == ["starting engines and trainers (Ray, the router, the model on every process)",
+                     "step 1: generating",
                      "step 1/4 reward=0.25  len=12.5  loss=0.1  step 2.0s  ETA 06s"]
+    info = io.StringIO()  # at info: the start-up's and the first step's waits are said, later steps' stages not
+    with RunDisplay(Console(file=info, width=200), total=4) as display:
+        for rollout_id in (0, 1):
+            display.stage("generate", rollout_id)
+            display.stage("train", rollout_id)
+            display.step(rollout_id, 4, STEP)
+    assert [line for line in info.getvalue().splitlines() if not line.startswith("step 1/4") and
+            not line.startswith("step 2/4")] == ["starting engines and trainers (Ray, the router, the model on every "
+                                                 "process)", "step 1: generating", "step 1: training"]
     quiet = io.StringIO()
     with RunDisplay(Console(file=quiet), total=4, level="warning") as display:
         display.stage("generate", 0)
@@ -207,8 +217,13 @@ def test_a_run_leaves_a_folder_with_everything_in_it(finished_run, tiny_checkpoi
     for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png", "final"):
         assert (run / name).exists(), name
     # the console: plain step lines (stdout/stderr are pipes here), then the summary with the paths
-    steps = [line for line in proc.stderr.splitlines() if line.startswith("step ")]
+    lines = proc.stderr.splitlines()
+    steps = [line for line in lines if line.startswith("step ") and "/" in line.split()[1]]
     assert len(steps) == 3 and steps[-1].startswith("step 3/3 reward=") and not any("\x1b[" in s for s in steps)
+    # each wait longer than a few seconds is said as it starts: Ray, the engines and trainers, the first rollout
+    for said in ("starting a local Ray instance", "starting engines and trainers", "step 1: generating"):
+        assert any(said in line for line in lines), said
+    assert "Loading weights" not in proc.stderr and "Writing model shards" not in proc.stderr  # the actors' bars
     assert "reward (first -> last quarter)" in proc.stderr and str(run.resolve() / "final") in proc.stderr
     summary = json.loads((run / "summary.json").read_text())
     assert summary["completed"] and summary["steps"] == 3 and summary["paths"]["final_model"] == str(
