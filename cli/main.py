@@ -41,21 +41,14 @@ def _fail(exc: Exception) -> None:
 def train(ctx):
     """Run RL (or SFT) training. `slime-core train --plugin grpo --help` lists every option,
     including those of the named plugins."""
-    argv = list(ctx.args)
     try:
-        specs, _ = prescan(argv)
-        specs = [normalize_spec(s) for s in specs]
-        argv = _normalized_plugin_args(argv)
-        hooks = load_plugins(specs)
-        declared = hooks.slime_options()
-        if {"--help", "-h", "--help-all"} & set(argv):
+        loaded = train_plugins(list(ctx.args))
+        if {"--help", "-h", "--help-all"} & set(loaded[0]):
             from slimecore_cli.help import train_help
 
-            click.echo(train_help(hooks, declared, every="--help-all" in argv), nl=False)
+            click.echo(train_help(loaded[2], loaded[3], every="--help-all" in loaded[0]), nl=False)
             return
-        implied = hooks.slime_implied_options()
-        config = parse_config(argv, specs, declared, implied, hooks.slime_quickstart_options())
-        hooks.bind(config).slime_validate_config(config=config)
+        config, hooks, implied = train_config(loaded)
         hooks.check(skip_required=_not_needed(config))
         from slimecore.defaults.reward import check_reward_sources  # here: the small commands need no aiohttp
 
@@ -115,6 +108,29 @@ def train(ctx):
     except Exception as exc:
         _report(exc, config.log_level == "debug")
     display.summary(json.loads((run_dir / "summary.json").read_text()))
+
+
+def train_plugins(argv: list[str]) -> tuple:
+    """The plugins a ``slime-core train`` command line names (``--plugin``, a ``--config`` file's ``plugin:``,
+    slime's ``--advantage-estimator``), loaded: ``(argv, specs, hooks, declared options)``."""
+    from slimecore.defaults.slime_compat import algorithm_plugin, estimator_argv
+
+    specs, _ = prescan(argv)
+    specs = [normalize_spec(s) for s in specs]
+    argv, specs, estimator = algorithm_plugin(_normalized_plugin_args(argv), specs)
+    hooks = load_plugins(specs)
+    declared = hooks.slime_options()
+    return estimator_argv(argv, declared, estimator), specs, hooks, declared
+
+
+def train_config(loaded: tuple) -> tuple:
+    """``slime-core train``'s parser on what ``train_plugins`` loaded: the Config, checked by every plugin's
+    ``slime_validate_config`` (files and the model are checked later); ``(config, hooks, implied options)``."""
+    argv, specs, hooks, declared = loaded
+    implied = hooks.slime_implied_options()
+    config = parse_config(argv, specs, declared, implied, hooks.slime_quickstart_options())
+    hooks.bind(config).slime_validate_config(config=config)
+    return config, hooks, implied
 
 
 def _report(exc: Exception, debug: bool) -> None:

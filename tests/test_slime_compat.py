@@ -115,7 +115,7 @@ def _validate(**flags):
 
 @pytest.mark.parametrize("flag", sorted(REFUSED))
 def test_refused_flags_say_why_and_what_to_use(flag):
-    with pytest.raises(ConfigError, match=f"--{flag.replace('_', '-')} is not supported by slime-core: .+"):
+    with pytest.raises(ConfigError, match=f"^--{flag.replace('_', '-')} x.y is not supported by slime-core: .+; instead: "):
         _validate(**{flag: "x.y"})
 
 
@@ -143,7 +143,7 @@ def test_every_slime_path_flag_is_wired_or_refused():
     ({"custom_rm_path": "sync_rm"}, "is not a dotted path"),
     ({"data_source_path": "sync_rm.reward_func"}, "slime instantiates this path as cls(args); it must name a class"),
     ({"loss_type": "custom_loss"}, "--loss-type custom_loss needs --custom-loss-function-path"),
-    ({"loss_type": "sft_loss"}, "--loss-type sft_loss: in slime-core that loss is a plugin's: --plugin sft"),
+    ({"loss_type": "sft_loss"}, "--loss-type sft_loss: in slime-core that loss is a plugin's; instead: --plugin sft"),
 ])
 def test_bad_paths_and_loss_types_are_named(tmp_path, flags, message):
     (tmp_path / "sync_rm.py").write_text("def reward_func(args, sample):\n    return 1.0\n")

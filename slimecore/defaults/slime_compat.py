@@ -13,7 +13,11 @@ answers over any plugin's (a custom loss replaces ``--plugin grpo``'s loss, as i
   Sample`` resolves to it through the shim in ``slimecore/compat`` unless THUDM/slime is installed).
 
 Flags with no counterpart here are refused at start-up with what to use instead. ``docs/hooks.md`` has the
-table: each flag, its hook, what of slime's semantics it keeps and where it differs.
+table: each flag, its hook, what of slime's semantics it keeps and where it differs. Every other flag of slime's
+parser has its fate in ``slimecore.defaults.slime_flags`` (``docs/slime-flags.md``): the refused ones are declared
+here, so they parse as in slime and stop the run before Ray with one line; ``--advantage-estimator`` selects the
+algorithm plugin (``algorithm_plugin``), the ``--wandb-*`` ones become W&B's environment variables, and slime's
+server-group ``--sglang-config`` form is read by ``server_group_overrides``.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
 from slimecore import hookimpl
-from slimecore.config import ConfigError, Option
+from slimecore.config import FALLBACK_GROUP, ConfigError, Option
+from slimecore.defaults.slime_flags import SLIME_FLAGS, Fate, refused_message
 from slimecore.plugins import active_when
 from slimecore.types import DataSource, FilterResult, RolloutOutput, Sample
 
@@ -95,6 +100,17 @@ REFUSED = {
         "(--tensor-model-parallel-size ...) and the critic's with the --critic-* options",
 }
 LOSS_TYPES = ("policy_loss", "custom_loss", "value_loss", "sft_loss")
+for _name, _why in REFUSED.items():
+    _reason, _, _instead = _why.partition("; ")
+    SLIME_FLAGS["--" + _name.replace("_", "-")] = Fate("refused", _reason, _instead)
+# slime's other flags with no counterpart: declared so they parse as slime's do (any values), refused when given
+REFUSED_FLAGS = {flag[2:].replace("-", "_"): flag for flag, fate in SLIME_FLAGS.items()
+                 if fate.kind == "refused" and flag[2:].replace("-", "_") not in REFUSED}
+# --advantage-estimator NAME -> the plugin implementing it (slime's names)
+ESTIMATOR_PLUGINS = {"grpo": "grpo", "gspo": "gspo", "ppo": "ppo", "reinforce_plus_plus": "ppo",
+                     "reinforce_plus_plus_baseline": "ppo"}
+WANDB_ENV = {"wandb_key": "WANDB_API_KEY", "wandb_host": "WANDB_BASE_URL", "wandb_team": "WANDB_ENTITY",
+             "wandb_run_id": "WANDB_RUN_ID"}
 
 
 @hookimpl
@@ -102,7 +118,7 @@ def slime_options():
     options = [Option(flag, str, None, f"slime: {how}", group="slime")
                for flag, how in WIRED.items() if flag != "rollout_sample_hook_path"]
     options.append(Option("rollout_sample_hook_path", str, None, f"slime: {WIRED['rollout_sample_hook_path']}",
-                          nargs="+", group="slime"))
+                          nargs="+", action="extend", group="slime"))
     options += [Option(flag, str, None, f"slime: refused here ({why.split(';')[0]}).", group="slime")
                 for flag, why in REFUSED.items()]
     options += [Option("loss_type", str, None, "slime's --loss-type: custom_loss with --custom-loss-function-path; "
@@ -110,6 +126,9 @@ def slime_options():
                 Option("slime_sys_path", str, None, "Directories put on sys.path in every process before the "
                        "--*-path functions are imported (default: the directory slime-core was started in).",
                        nargs="+", group="slime")]
+    options += [Option(name, str, None, f"slime: refused here ({SLIME_FLAGS[flag].text}).", nargs="*",
+                       group=FALLBACK_GROUP) for name, flag in REFUSED_FLAGS.items()]  # a plugin may declare it
+    options += [Option(name, str, None, f"slime: sets {env} for W&B.", group="slime") for name, env in WANDB_ENV.items()]
     return options
 
 
@@ -120,6 +139,90 @@ def _opt(config, flag: str):
 def _when(*flags: str):
     """``active_when`` on any of ``flags`` being set."""
     return active_when(lambda config: any(_opt(config, flag) for flag in flags))
+
+
+# ---------------------------------------------------------------------------------------------
+# slime's flags that choose plugins or engine settings (called by the CLI and sglang_schema)
+# ---------------------------------------------------------------------------------------------
+
+
+def algorithm_plugin(argv: list[str], specs: list[str]) -> tuple[list[str], list[str], str | None]:
+    """slime's ``--advantage-estimator NAME``: the plugin implementing NAME joins ``specs`` (before plugins load).
+    Returns argv without the flag, the specs, and NAME (``estimator_argv`` gives the flag back to a plugin that
+    declares it, as ppo does for its three estimators)."""
+    from slimecore.plugins import installed_entry_points
+
+    rest, name, i = [], None, 0
+    while i < len(argv):
+        arg = argv[i]
+        if arg == "--advantage-estimator" and i + 1 < len(argv):
+            name, i = argv[i + 1], i + 2
+            continue
+        if arg.startswith("--advantage-estimator="):
+            name = arg.partition("=")[2]
+        else:
+            rest.append(arg)
+        i += 1
+    if name is None:
+        return argv, specs, None
+    plugin = ESTIMATOR_PLUGINS.get(name)
+    if plugin is None:
+        raise ConfigError(f"--advantage-estimator {name}: no slime-core algorithm plugin implements it; instead: one of "
+                          f"{', '.join(ESTIMATOR_PLUGINS)} (each selects its plugin), or --plugin NAME")
+    others = [s for s in specs if s in set(ESTIMATOR_PLUGINS.values()) - {plugin}]
+    if others:
+        raise ConfigError(f"--advantage-estimator {name} selects plugin {plugin!r}, but --plugin {others[0]} is given "
+                          "too; keep one of them")
+    if plugin not in specs:
+        if plugin not in installed_entry_points():
+            raise ConfigError(f"--advantage-estimator {name} needs the algorithm plugin {plugin!r}, which is not "
+                              f"installed: pip install plugins/{plugin} (distribution slime-core-{plugin})")
+        specs = [*specs, plugin]
+    return rest, specs, name
+
+
+def estimator_argv(argv: list[str], declared: dict[str, list[Option]], name: str | None) -> list[str]:
+    """``argv`` with ``--advantage-estimator NAME`` again when an active plugin declares that option."""
+    if name is not None and any(o.name == "advantage_estimator" for options in declared.values() for o in options):
+        return [*argv, "--advantage-estimator", name]
+    return argv
+
+
+def server_group_overrides(config, path, data: dict) -> dict:
+    """slime's ``--sglang-config`` form (``sglang: [{name, model_path, num_gpus_per_engine, update_weights,
+    server_groups: [{worker_type, num_gpus, num_gpus_per_engine, overrides}]}]``) as the engines' ServerArgs
+    overrides: read when it describes what slime-core runs (one model, the trained one, in regular groups that
+    share one engine size and one set of overrides, on --rollout-num-gpus devices); any other layout is refused
+    with one line saying which part."""
+    where = f"--sglang-config {path}"
+    models = data.get("sglang")
+    if not isinstance(models, list) or len(models) != 1 or not isinstance(models[0], dict):
+        raise ConfigError(f"{where}: slime-core runs one model's engines (the trained one); this file lists "
+                          f"{len(models) if isinstance(models, list) else 'no list of'} models under 'sglang'. Keep "
+                          "one entry, or give its ServerArgs as a flat mapping")
+    model = models[0]
+    if model.get("update_weights") is False or model.get("model_path") not in (None, config.hf_checkpoint):
+        raise ConfigError(f"{where}: model {model.get('name')!r} is not the trained policy (model_path or "
+                          "update_weights: false); slime-core's engines serve the policy only (a frozen model is a "
+                          "reward plugin's own server)")
+    groups = model.get("server_groups") or model.get("engine_groups") or []
+    kinds = sorted({g.get("worker_type") for g in groups} - {"regular"})
+    if not groups or kinds:
+        raise ConfigError(f"{where}: worker_type {', '.join(map(str, kinds)) or '(no server_groups)'} is not "
+                          "supported (no prefill/decode/encoder disaggregation or placeholder groups); use "
+                          "regular groups")
+    sizes = {g.get("num_gpus_per_engine") or model.get("num_gpus_per_engine") or config.rollout_num_gpus_per_engine
+             for g in groups}
+    overrides = [g.get("overrides") or {} for g in groups]
+    if len(sizes) != 1 or any(o != overrides[0] for o in overrides):
+        raise ConfigError(f"{where}: the server groups differ in num_gpus_per_engine or overrides; slime-core runs "
+                          "identical engines: give one group (or groups with the same settings)")
+    gpus = sum(int(g.get("num_gpus", 0)) for g in groups)
+    if sizes != {config.rollout_num_gpus_per_engine} or gpus != config.rollout_num_gpus:
+        raise ConfigError(f"{where}: its groups take {gpus} GPUs in engines of {sizes.pop()}, but --rollout-num-gpus "
+                          f"is {config.rollout_num_gpus} and --rollout-num-gpus-per-engine "
+                          f"{config.rollout_num_gpus_per_engine}; make them agree")
+    return {k: v for k, v in overrides[0].items() if k != "model_path"}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -171,7 +274,7 @@ def make_args(config, client=None) -> SlimeArgs:
     args = _ARGS.get(config)
     if args is None:
         args = _ARGS[config] = _build_args(config)
-    if client is not None and "sglang_router_ip" not in vars(args):
+    if client is not None:  # the router in use: the run's own, or the external one of --sglang-router-ip/port
         url = urlparse(client.url)
         args.sglang_router_ip, args.sglang_router_port = url.hostname, url.port
     return args
@@ -207,9 +310,13 @@ def _build_args(config) -> SlimeArgs:
 @hookimpl
 def slime_validate_config(config):
     """Refused flags, --loss-type, and every given path imported now (before Ray starts)."""
-    for flag, why in REFUSED.items():
+    for flag in REFUSED:
         if _opt(config, flag):
-            raise ConfigError(f"--{flag.replace('_', '-')} is not supported by slime-core: {why}")
+            raise ConfigError(refused_message("--" + flag.replace("_", "-"), _opt(config, flag)))
+    for name, flag in REFUSED_FLAGS.items():
+        value = _opt(config, name)
+        if value is not None and " ".join(value) not in SLIME_FLAGS[flag].accepted:
+            raise ConfigError(refused_message(flag, value))
     loss_type, loss_path = _opt(config, "loss_type"), _opt(config, "custom_loss_function_path")
     if loss_type == "custom_loss" and not loss_path:
         raise ConfigError("--loss-type custom_loss needs --custom-loss-function-path, the loss function to use")
@@ -217,7 +324,7 @@ def slime_validate_config(config):
         raise ConfigError(f"--custom-loss-function-path is given but --loss-type is {loss_type}; use --loss-type "
                           "custom_loss (or leave it out) to train with that function")
     if loss_type in ("sft_loss", "value_loss"):
-        raise ConfigError(f"--loss-type {loss_type}: in slime-core that loss is a plugin's: "
+        raise ConfigError(f"--loss-type {loss_type}: in slime-core that loss is a plugin's; instead: "
                           + ("--plugin sft" if loss_type == "sft_loss" else "--plugin ppo (its critic)"))
     if _opt(config, "slime_sys_path") is None:
         config.__dict__["_plugin_values"].setdefault(NAME, {})["slime_sys_path"] = [os.getcwd()]
@@ -247,6 +354,12 @@ def _check_function(config, flag: str, path: str) -> None:
 
 @hookimpl
 def slime_startup(config, process):
+    if process == "driver":  # slime's --wandb-* flags, as the environment wandb.init reads
+        for name, env in WANDB_ENV.items():
+            if _opt(config, name):
+                os.environ[env] = str(_opt(config, name))
+        if _opt(config, "wandb_run_id"):
+            os.environ.setdefault("WANDB_RESUME", "allow")
     if process == "train" and _opt(config, "custom_megatron_init_path"):
         _function(config, "custom_megatron_init_path")(make_args(config))
 

@@ -13,7 +13,9 @@
    When a step has fewer samples than ranks, the remaining ranks get empty micro-batches: the trainer runs
    them as zero-loss forwards so every rank issues the same collectives.
 4. Micro-batches are sorted by token count (largest first) and dealt to ranks round-robin, so every rank
-   gets the same number per step and roughly the same tokens.
+   gets the same number per step and roughly the same tokens; with ``--balance-data`` (slime's flag, which
+   balances estimated FLOPs by Karmarkar-Karp) each goes to the rank with the fewest tokens so far among those
+   that still take one (greedy, largest first), which evens out the ranks' tokens further.
 
 ``split_for_ranks`` then slices the manager's column dict for each rank (format in its docstring).
 """
@@ -94,8 +96,22 @@ def _to_multiple(bins: list[list[int]], lengths: Sequence[int], dp_size: int) ->
     return bins
 
 
+def _deal(bins: list[list[int]], lengths: Sequence[int], dp_size: int, balance: bool) -> list[list[list[int]]]:
+    """Micro-batches (largest first) to ranks, the same number each: round-robin, or by greedy token balance."""
+    if not balance:
+        return [bins[r::dp_size] for r in range(dp_size)]
+    ranks: list[list[list[int]]] = [[] for _ in range(dp_size)]
+    loads = [0] * dp_size
+    for mb in bins:
+        r = min((r for r in range(dp_size) if len(ranks[r]) < len(bins) // dp_size), key=lambda r: loads[r])
+        ranks[r].append(mb)
+        loads[r] += sum(lengths[i] for i in mb)
+    return ranks
+
+
 def build_dp_schedule(rollout_ids: Sequence[int], lengths: Sequence[int], global_batch_size: int, dp_size: int,
-                      micro_batch_size: int | None = None, max_tokens_per_gpu: int | None = None) -> Schedule:
+                      micro_batch_size: int | None = None, max_tokens_per_gpu: int | None = None,
+                      balance: bool = False) -> Schedule:
     """Plan every optimizer step of one rollout batch (see the module docstring).
 
     ``lengths`` are total token counts (prompt + response) per sample. Dynamic batching is used when
@@ -129,7 +145,7 @@ def build_dp_schedule(rollout_ids: Sequence[int], lengths: Sequence[int], global
         members = [i for r in rollouts[s * global_batch_size:(s + 1) * global_batch_size] for i in r]
         bins = _to_multiple(_pack(members, lengths, micro_batch_size, max_tokens_per_gpu, oversized), lengths, dp_size)
         bins.sort(key=lambda b: -sum(lengths[i] for i in b))  # stable: ties keep packing order
-        steps.append(StepPlan(members, [bins[r::dp_size] for r in range(dp_size)]))
+        steps.append(StepPlan(members, _deal(bins, lengths, dp_size, balance)))
     return Schedule(steps, dp_size, len(rollouts) - kept, dropped_samples, oversized)
 
 
@@ -182,5 +198,5 @@ def split_rollout_data(config, data: dict, dp_size: int) -> list[dict]:
     dynamic = config.use_dynamic_batch_size
     schedule = build_dp_schedule(data["rollout_ids"], [len(t) for t in data["tokens"]], config.global_batch_size,
                                  dp_size, None if dynamic else config.micro_batch_size,
-                                 config.max_tokens_per_gpu if dynamic else None)
+                                 config.max_tokens_per_gpu if dynamic else None, config.balance_data)
     return split_for_ranks(data, schedule)

@@ -1,0 +1,272 @@
+"""Every flag of slime's parser (THUDM/slime at the commit of tests/slime_format/slime_flags_<commit>.json, read out
+of its source with ``ast``) has a decided fate in ``slimecore.defaults.slime_flags``, and ``slime-core train``'s own
+parser does what the table says with a value of the kind slime defines: keeps it under the same name, maps it, or
+refuses it before Ray with one line naming the flag and what to use instead. ``docs/slime-flags.md`` is current."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from slimecore.config import CORE_OPTIONS, ConfigError
+from slimecore.defaults.slime_compat import NAME, SLIME_FLAGS
+from slimecore.sglang_schema import overrides
+from slimecore_cli.main import train_config, train_plugins
+
+sys.path.insert(0, str(Path(__file__).parent / "slime_format"))
+import slime_flags  # noqa: E402  (tests/slime_format/slime_flags.py)
+
+pytest.importorskip("slime_grpo", reason="the algorithm plugins are installed by scripts/setup.sh")
+DATA = slime_flags.load()
+FLAGS = {f["flag"]: f for f in DATA["flags"]}
+FUNCTIONS = Path(__file__).parent / "slime_format"
+M = "my_slime_functions."
+BASE = ["--rollout-batch-size", "2"]
+# values slime's definition cannot give (a function to import, a file to read, a template slime-core checks)
+VALUES = {
+    "--rollout-function-path": M + "generate_rollout", "--eval-function-path": M + "generate_rollout",
+    "--custom-generate-function-path": M + "generate", "--rollout-sample-hook-path": M + "tag_sample",
+    "--custom-rm-path": M + "reward_func", "--dynamic-sampling-filter-path": M + "filter_odd_groups",
+    "--rollout-sample-filter-path": M + "remove_last", "--rollout-all-samples-process-path": M + "all_samples",
+    "--buffer-filter-path": M + "newest_first", "--data-source-path": M + "JsonlDataSource",
+    "--custom-reward-post-process-path": M + "post_process_rewards",
+    "--custom-rollout-log-function-path": M + "log_rollout", "--rollout-data-postprocess-path": M + "postprocess",
+    "--custom-advantage-function-path": M + "advantages", "--custom-loss-function-path": M + "custom_loss",
+    "--custom-megatron-init-path": M + "init", "--load-debug-rollout-data": "dump/{rollout_id}.pt",
+    "--save-debug-rollout-data": "dump/{rollout_id}.pt", "--save-hf": "hf/{rollout_id}",
+    "--sglang-config": "sglang.yaml", "--rm-type": "math", "--eps-clip-c": "3",
+}
+# flags that need another one to mean anything (slime asserts the same pairs)
+CONTEXT = {
+    "--save-interval": ["--save", "ckpt"], "--save-hf": ["--save", "ckpt"], "--sglang-router-ip": [
+        "--sglang-router-port", "3000"], "--sglang-router-port": ["--sglang-router-ip", "127.0.0.1"],
+    "--sglang-config": ["--rollout-engine", "sglang", "--hf-checkpoint", "ckpt"],
+    ("--loss-type", "custom_loss"): ["--custom-loss-function-path", M + "custom_loss"],
+    **{("--advantage-estimator", e): ["--normalize-advantages"]  # slime asserts it for both REINFORCE++ variants
+       for e in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")},
+    "--use-dynamic-batch-size": ["--max-tokens-per-gpu", "64"], "--kl-loss-coef": ["--use-kl-loss"],
+    "--mtp-num-layers": ["--train-backend", "megatron"], "--mtp-loss-scaling-factor": ["--train-backend", "megatron"],
+}
+# values of a same or mapped flag that slime-core refuses, with what to use (the table's text says so)
+REFUSED_VALUES = {("--advantage-estimator", "cispo"), ("--loss-type", "sft_loss")}
+
+
+def _values(flag: dict) -> list[list[str]]:
+    """Command-line values of the kind slime defines for ``flag``: none for a switch, each choice, two of a list."""
+    name = flag["flag"]
+    if name in VALUES:
+        return [[VALUES[name]]]
+    if flag["action"] in ("store_true", "store_false", "BooleanOptionalAction"):
+        return [[]]
+    if flag["choices"]:
+        return [[str(c)] for c in flag["choices"]]
+    kind = {"int": "2", "float": "0.5", "json.loads": '{"k": 1}'}.get(flag["type"], "x")
+    if flag["type"] in (None, "str") and isinstance(flag["default"], str) and flag["default"]:
+        kind = flag["default"]
+    return [[kind, kind]] if flag["nargs"] in ("+", "*") else [[kind]]
+
+
+def _typed(flag: dict, words: list[str]):
+    """The value slime's parser would store for ``words`` (the switch's True for a flag without words)."""
+    if not words:
+        return True
+    convert = {"int": int, "float": float, "json.loads": json.loads}.get(flag["type"], str)
+    values = [convert(w) for w in words]
+    return values if flag["nargs"] in ("+", "*") or flag["action"] == "append" else values[0]
+
+
+def _held(config, name: str):
+    """Where slime-core keeps a same-named option: core, a plugin's options, SGLang's or Megatron's arguments."""
+    state = config.to_dict()
+    if name in state["values"]:
+        return state["values"][name]
+    for values in state["plugin_values"].values():
+        if name in values:
+            return values[name]
+    if name.startswith("sglang_") and name[len("sglang_"):] in state["sglang_args"]:
+        return state["sglang_args"][name[len("sglang_"):]]  # a string: the SGLang server types it
+    return state["megatron_args"].get(name, KeyError)
+
+
+def _parse(argv: list[str]):
+    return train_config(train_plugins(argv))[0]
+
+
+@functools.cache
+def _baseline(base: tuple) -> dict | None:
+    """The config without the flag under test (None where the flag is one of a pair, --sglang-router-ip/port)."""
+    try:
+        return _parse(list(base)).to_dict()
+    except ConfigError:
+        return None
+
+
+@pytest.fixture(scope="module")
+def user_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("slime-flags")
+    (path / "my_slime_functions.py").write_text((FUNCTIONS / "my_slime_functions.py").read_text())
+    (path / "x").write_text("call_log: calls.jsonl\n")  # --custom-config-path / --eval-config "x"
+    (path / "sglang.yaml").write_text("sglang:\n  - name: actor\n    server_groups:\n      - worker_type: regular\n"
+                                      "        num_gpus: 1\n        overrides: {mem_fraction_static: 0.7}\n")
+    return path
+
+
+@pytest.fixture
+def workdir(user_dir, monkeypatch):
+    """The user's directory, where slime-core starts: the --*-path functions import from it, as in slime."""
+    monkeypatch.chdir(user_dir)
+    return user_dir
+
+
+def test_every_slime_flag_has_a_decided_fate():
+    undecided = sorted(set(FLAGS) - set(SLIME_FLAGS))
+    assert not undecided, f"flags of slime {DATA['commit'][:7]} with no fate in slime_flags.SLIME_FLAGS: {undecided}"
+    stale = sorted(set(SLIME_FLAGS) - set(FLAGS))
+    assert not stale, f"SLIME_FLAGS has flags slime's parser does not define: {stale}"
+    assert {fate.kind for fate in SLIME_FLAGS.values()} == {"same", "mapped", "refused"}
+    assert all(fate.text and fate.instead for fate in SLIME_FLAGS.values() if fate.kind == "refused")
+
+
+def test_the_data_is_slime_parser_source():
+    """The test data names its commit and the source places of each flag; the extractor reads a definition."""
+    assert len(DATA["commit"]) == 40 and slime_flags.data_file().name == f"slime_flags_{DATA['commit'][:7]}.json"
+    assert len(FLAGS) == len(DATA["flags"]) > 200
+    [flag] = slime_flags.extract('def f(p):\n    p.add_argument("--a-b", type=int, nargs="+", default=[1], '
+                                 'help="x")\n', "f.py")
+    assert flag | {"file": "f.py"} == {"flag": "--a-b", "file": "f.py", "line": 2, "megatron_reset": False,
+                                       "action": None, "type": "int", "nargs": "+", "choices": None,
+                                       "default": [1], "dest": "a_b", "help": "x"}
+
+
+MAPPED = {  # each mapped flag: what the parser must have made of (value)
+    "--advantage-estimator": lambda c, v: {"grpo": "grpo", "gspo": "gspo"}.get(v, "ppo") in c.plugins and (
+        v in ("grpo", "gspo") or c.plugin("ppo").advantage_estimator == v),
+    "--update-weight-transport": lambda c, v: c.update_weight_transport == {"nccl": "distributed"}.get(v, v),
+    "--sglang-config": lambda c, v: overrides(c) == {"mem_fraction_static": 0.7},  # slime's server-group form
+    **{f"--wandb-{k}": lambda c, v, k=k: vars(c.plugin(NAME))[f"wandb_{k.replace('-', '_')}"] == v
+       for k in ("key", "host", "team", "run-id")},
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLAGS))
+def test_slime_core_train_parses_the_flag_as_its_fate_says(name, workdir):
+    flag, fate = FLAGS[name], SLIME_FLAGS[name]
+    plugin = ["--plugin", fate.plugin] if fate.plugin in ("grpo", "ppo") else []
+    base = BASE + plugin + CONTEXT.get(name, [])
+    baseline = _baseline(tuple(base))
+    for words in _values(flag):
+        argv = base + CONTEXT.get((name, " ".join(words)), []) + [name, *words]
+        if (fate.kind == "refused" and " ".join(words) not in fate.accepted) or (name, " ".join(words)) in \
+                REFUSED_VALUES:
+            with pytest.raises(ConfigError) as err:
+                _parse(argv)
+            message = str(err.value)
+            assert "\n" not in message and message.startswith(name) and "; instead: " in message, message
+            continue
+        config = _parse(argv)
+        value = _typed(flag, words)
+        if fate.kind == "mapped":
+            assert MAPPED[name](config, value), (argv, config)
+            continue
+        held = _held(config, name[2:].replace("-", "_"))
+        if fate.kind == "refused":  # a value that means what slime-core does: kept as given
+            assert held == words, (argv, held)
+            continue
+        assert held == value or (name.startswith("--sglang-") and held == str(value)), \
+            f"{argv}: slime-core holds {held!r}, slime {value!r}"
+        if baseline and value != baseline["values"].get(name[2:].replace("-", "_"), value):
+            assert config.to_dict() != baseline, f"{argv} was accepted and changed nothing"
+
+
+def test_every_no_switch_is_set_by_its_flag(workdir):
+    """argparse's BooleanOptionalAction reads any "--no-..." flag as False: a switch named no_* must not use it."""
+    switches = [o.flag for o in CORE_OPTIONS if o.type is bool and o.name.startswith("no_")]
+    assert switches  # --no-save-optim
+    config = _parse(BASE + switches)
+    assert all(getattr(config, flag[2:].replace("-", "_")) is True for flag in switches)
+    loaded = train_plugins(["--plugin", "grpo", "--plugin", "ppo", "--plugin", "gspo", "--plugin", "sft"])
+    plugin_switches = [o.flag for options in loaded[3].values() for o in options
+                       if o.type is bool and o.name.startswith("no_")]
+    if plugin_switches:
+        config = _parse(BASE + ["--plugin", "grpo", *plugin_switches])
+        assert all(_held(config, f[2:].replace("-", "_")) is True for f in plugin_switches)
+
+
+def test_repeated_hook_paths_are_all_kept(workdir):
+    config = _parse(BASE + ["--rollout-sample-hook-path", M + "tag_sample", "--rollout-sample-hook-path",
+                            M + "tag_sample", M + "tag_sample"])
+    assert config.plugin("slimecore.defaults.slime_compat").rollout_sample_hook_path == [M + "tag_sample"] * 3
+
+
+def test_save_hf_takes_slimes_path_template(workdir):
+    from slimecore.checkpoint import save_hf_dir
+
+    for save_hf, expected in ((["hf/iter_{rollout_id}"], "hf/iter_3"), (["hf"], "hf/iter_0000003"),
+                              ([], "ckpt/iter_0000003/hf")):
+        config = _parse(BASE + ["--save", "ckpt", "--save-hf", *save_hf])
+        assert save_hf_dir(config, 3) == expected
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--advantage-estimator", "cispo"], "--advantage-estimator cispo: no slime-core algorithm plugin implements it"),
+    (["--plugin", "grpo", "--advantage-estimator", "gspo"],
+     "--advantage-estimator gspo selects plugin 'gspo', but --plugin grpo is given too"),
+])
+def test_advantage_estimator_names_what_is_missing(argv, message, workdir):
+    with pytest.raises(ConfigError, match=message):
+        _parse(BASE + argv)
+
+
+def test_advantage_estimator_of_a_plugin_not_installed(workdir, monkeypatch):
+    monkeypatch.setenv("SLIMECORE_BLOCK_PLUGINS", "gspo")
+    with pytest.raises(ConfigError, match="needs the algorithm plugin 'gspo', which is not installed: pip install "):
+        _parse(BASE + ["--advantage-estimator", "gspo"])
+
+
+def test_wandb_flags_become_wandbs_environment(workdir, monkeypatch):
+    for env in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_ENTITY", "WANDB_RUN_ID", "WANDB_RESUME"):
+        monkeypatch.delenv(env, raising=False)
+    loaded = train_plugins(BASE + ["--wandb-key", "k", "--wandb-host", "https://w.example", "--wandb-team", "t",
+                                   "--wandb-run-id", "r1"])
+    config, hooks, _ = train_config(loaded)
+    hooks.slime_startup(config=config, process="driver")
+    assert [os.environ[e] for e in ("WANDB_API_KEY", "WANDB_BASE_URL", "WANDB_ENTITY", "WANDB_RUN_ID",
+                                    "WANDB_RESUME")] == ["k", "https://w.example", "t", "r1", "allow"]
+
+
+def test_the_doc_is_generated_from_the_table():
+    assert slime_flags.DOC.read_text() == slime_flags.render(DATA, SLIME_FLAGS), \
+        "docs/slime-flags.md is stale: python tests/slime_format/slime_flags.py doc"
+
+
+def test_a_refused_flag_stops_the_run_before_ray_with_one_line(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "slimecore_cli", "train", "--advantage-estimator", "grpo",
+                           "--rollout-batch-size", "2", "--use-opd", "--opd-type", "megatron"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert " ".join(proc.stderr.split()).startswith("error: --use-opd is not supported by slime-core: on-policy "
+                                                    "distillation is not implemented; instead: ")
+    assert not (tmp_path / "runs").exists()  # stopped before the run folder, Ray, or a model
+
+
+def test_balance_data_evens_out_the_ranks_tokens():
+    """slime's --balance-data: micro-batches of 10, 9, 8 and 1 tokens on 2 ranks are 18 / 10 tokens round-robin,
+    11 / 17 by the greedy balance; every rank still gets two micro-batches, and every sample is trained once."""
+    from slimecore.rollout.schedule import build_dp_schedule
+
+    lengths = [10, 9, 8, 1]
+    tokens = {}
+    for balance in (False, True):
+        [step] = build_dp_schedule([0, 1, 2, 3], lengths, global_batch_size=4, dp_size=2, micro_batch_size=1,
+                                   balance=balance).steps
+        assert [len(mbs) for mbs in step.rank_micro_batches] == [2, 2]
+        assert sorted(i for mbs in step.rank_micro_batches for mb in mbs for i in mb) == [0, 1, 2, 3]
+        tokens[balance] = sorted(sum(lengths[i] for mb in mbs for i in mb) for mbs in step.rank_micro_batches)
+    assert tokens == {False: [10, 18], True: [11, 17]}
+    assert _parse(BASE + ["--balance-data"]).balance_data is True
