@@ -86,8 +86,8 @@ def train(ctx):
 
     logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # other libraries: warnings only
     logging.getLogger("slimecore").setLevel(config.log_level.upper())
-    run_dir = create_run_dir(config)
     try:  # before the loop's imports (Ray and the rest): a bad input fails within seconds
+        run_dir = create_run_dir(config)
         roles = declared_roles(config, hooks)
         tokenizer = check_before_ray(config, hooks, roles)
     except (ConfigError, PluginError) as exc:

@@ -47,11 +47,16 @@ def create_run_dir(config: Config, root: Path = RUNS_ROOT) -> Path:
     """The run's folder: ``--log-dir`` when given, else a new ``root/<date>-<time>-<plugins>/`` (a numeric
     suffix when two runs start in the same second) with ``root/latest`` moved to it atomically. Sets
     ``config.log_dir`` so every process writes there."""
-    if config.log_dir:
-        path = Path(config.log_dir)
-        path.mkdir(parents=True, exist_ok=True)
-        return path
-    root.mkdir(parents=True, exist_ok=True)
+    try:
+        if config.log_dir:
+            path = Path(config.log_dir)
+            path.mkdir(parents=True, exist_ok=True)
+            return path
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        flag = f"--log-dir {config.log_dir}" if config.log_dir else f"the run folder's root {root.resolve()}"
+        raise ConfigError(f"{flag}: cannot create it ({exc.strerror or exc}); give a --log-dir you can write "
+                          "to") from None
     stem = f"{datetime.datetime.now():%Y%m%d-%H%M%S}-{plugin_label(config.plugins)}"
     for attempt in range(1, 1000):
         path = root / (stem if attempt == 1 else f"{stem}-{attempt}")
