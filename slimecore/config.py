@@ -282,6 +282,14 @@ CORE_OPTIONS: list[Option] = [
        group="debug"),
     _O("save_debug_rollout_data", str, None, "Path template with {rollout_id} to dump rollouts.", group="debug"),
     _O("load_debug_rollout_data", str, None, "Path template with {rollout_id} to replay dumped rollouts.", group="debug"),
+    # -- run-time checks (README: Checks)
+    _O("check_weights", str, "every", "After a weight sync every engine reports the checksum of its weights (SGLang's "
+       "/weights_checker), compared with what the trainer sent; a difference stops the run naming the engine, the "
+       "version and the tensors: after every sync, the first one, or never.", choices=("every", "first", "never"),
+       group="debug"),
+    _O("max_logprob_mismatch", float, None, "Stop the run when train/logprob_mismatch (mean |train - rollout| "
+       "log-prob of a step) exceeds this, dumping the step's samples with both log-prob vectors. Off by default "
+       "(CPU fp32 differs by ~1e-5); ~0.1 suits bf16 GPU runs.", group="debug"),
 ]
 # fmt: on
 CORE_BY_NAME = {o.name: o for o in CORE_OPTIONS}

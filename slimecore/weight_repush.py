@@ -67,8 +67,9 @@ class WeightRepush:
 
     def push(self, endpoints: list) -> None:
         """The trainers push the weights they hold to ``endpoints``; the fleet admits the engines serving them."""
-        version = self.train.push_held_weights(endpoints, resolve_transport(self.config, endpoints))
-        ray_get(self.rollout.repushed.options(concurrency_group=REPUSH).remote(version),
+        version, expected = self.train.push_held_weights(endpoints, resolve_transport(self.config, endpoints))
+        urls = [e.url for e in endpoints]
+        ray_get(self.rollout.repushed.options(concurrency_group=REPUSH).remote(version, expected, urls),
                 f"the restarted engines to take the weights v{version}", self.config.ray_timeout)
         log.warning("the trainers pushed their weights v%s again to %s", version, [e.url for e in endpoints])
 

@@ -32,19 +32,23 @@ def resolve_transport(config: Config, endpoints: list) -> str:
 def sync_weights(config: Config, train, rollout, version: int) -> float:
     """Push the trainer's weights to every engine, which then serve ``version``; returns seconds."""
     wait = config.ray_timeout
+    checksum = train.checksum_kind()  # --check-weights: the engines' checksums are compared before they resume
     if config.update_weight_transport in ("disk", "object-store"):
         if config.update_weight_transport == "disk":
             weights = train.weights_ref(str(Path(config.log_dir) / "weights" / f"v{version}"))
         else:
             weights = [train.weights_ref()]  # wrapped: the manager passes the ref on instead of fetching it
-        seconds = ray_get(rollout.update_weights.remote(weights, version), f"engines to load weights v{version}", wait)
+        expected = train.weight_checksums(checksum) if checksum else None
+        seconds = ray_get(rollout.update_weights.remote(weights, version, expected),
+                          f"engines to load weights v{version}", wait)
         shutil.rmtree(Path(config.log_dir) / "weights" / f"v{version - 1}", ignore_errors=True)  # keep the newest
         return seconds
     endpoints = ray_get(rollout.pause_for_update.remote(), "the engines to pause and flush before a weight update",
                         wait)
     transport = resolve_transport(config, endpoints)
-    figures = train.push_weights(endpoints, version, transport)
-    ray_get(rollout.resume_after_update.remote(version, True), "the engines to continue generating", wait)
+    figures = train.push_weights(endpoints, version, transport, checksum)
+    ray_get(rollout.resume_after_update.remote(version, True, figures.get("checksums")),
+            "the engines to check the weights and continue generating", wait)
     return figures["seconds"]
 
 

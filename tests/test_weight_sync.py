@@ -310,3 +310,53 @@ def test_fsdp_trainer_keeps_pushed_weights_in_shared_memory_but_merges_lora_into
         assert engine.weights_digest() == weight_sync.digest(merged.items())
         assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
                                full.model.state_dict()["model.layers.0.self_attn.q_proj.weight"])
+
+
+# -- the weight-sync sentinel (--check-weights) ---------------------------------------------------------
+def test_corrupted_sync_names_engine_version_and_tensor(ray_session, engine_actor, tiny_checkpoint):
+    """A push whose checksums the engine reports back passes; one tensor changed on the engine side after the
+    push stops the check, naming the engine, the weight version and that tensor."""
+    from slimecore.weight_check import WeightCheckError, check_engines, checksums
+
+    _, url = engine_actor
+    model = trainer_model(tiny_checkpoint, seed=11)
+    named = list(weight_sync.unique_tensors(model.state_dict().items()))
+    sender = WeightSender(bucket_bytes=64 * 1024, timeout=120)
+    figures = sender.push(weight_sync.bucketize(named, sender.bucket_bytes), [Endpoint(url)], "11", "tensor",
+                          checksum="all")
+    expected = figures["checksums"]
+    assert expected == checksums(named) and len(expected) == len(named)
+    assert check_engines(expected, [url], "11", every_name=True) == len(named)
+
+    name = "model.layers.1.mlp.up_proj.weight"
+    perturbed = dict(named)[name].clone()
+    perturbed[3, 5] += 1e-3  # one value of one tensor
+    status, _ = http_json("POST", url + "/update_weights_from_tensor", {
+        "serialized_named_tensors": [weight_sync.serialize([(name, perturbed)])], "load_format": "direct"})
+    assert status == 200
+    with pytest.raises(WeightCheckError) as stopped:
+        check_engines(expected, [url], "11", every_name=True)
+    assert f"engine {url} does not hold the weights v11" in str(stopped.value)
+    assert f"1 tensor(s) differ, first {name}." in str(stopped.value)
+
+
+@needs_sglang
+def test_weights_checker_is_sglangs(engine_actor):
+    """The embedded engine's /weights_checker takes SGLang's CheckWeightsReqInput and answers its body:
+    ``ranks`` of ChecksumInfo (with ParallelismInfo), ``per_engine_checksum`` over them."""
+    import hashlib
+
+    _, url = engine_actor
+    request = {"action": "checksum"}
+    check_sglang_body("CheckWeightsReqInput", request)
+    status, answer = http_json("POST", url + "/weights_checker", request)
+    assert status == 200 and answer["success"] is True
+    assert set(answer) == {"success", "message", "ranks", "per_engine_checksum"}
+    (rank,) = answer["ranks"]
+    for class_name, value in (("ChecksumInfo", rank), ("ParallelismInfo", rank["parallelism_info"])):
+        assert set(value) == set(class_fields("srt.utils.weight_checker", class_name))
+    assert "model.embed_tokens.weight" in rank["checksums"] and not any("inv_freq" in n for n in rank["checksums"])
+    assert answer["per_engine_checksum"] == hashlib.sha256(rank["per_gpu_checksum"].encode()).hexdigest()
+    assert http_json("GET", url + "/weights_checker")[1] == answer  # SGLang's GET form: the default action
+    status, refused = http_json("POST", url + "/weights_checker", {"action": "reset_tensors"})
+    assert status == 400 and refused["success"] is False and "reset_tensors" in refused["message"]

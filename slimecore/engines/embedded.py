@@ -523,6 +523,19 @@ class EmbeddedServer:
         with self._weights_lock:
             return weight_sync.digest(self.model.state_dict().items())
 
+    def check_weights(self, action: str = "checksum") -> dict:
+        """SGLang's ``/weights_checker`` with action ``checksum``: SGLang's body with every weight's checksum
+        (``slimecore.weight_check``), taken under the weights lock (no update runs meanwhile)."""
+        from slimecore import weight_check
+
+        if action != "checksum":
+            raise BadRequest(f"Unsupported action={action!r}; the embedded engine answers action 'checksum'")
+        if "weights" in self._released:
+            raise BadRequest("the weights are released (/release_memory_occupation); resume them first")
+        with self._weights_lock:
+            named = [*self.model.named_parameters(), *self.model.named_buffers()]
+            return weight_check.checker_response([weight_check.checksum_info(named)])
+
     def _next_version(self, weight_version: str | None) -> str:
         return self.weight_version if weight_version is None else str(weight_version)
 

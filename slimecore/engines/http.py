@@ -182,6 +182,17 @@ def build_app(server) -> web.Application:
     routes.post("/destroy_weights_update_group")(weight_update(
         server.destroy_weights_update_group, (), ("group_name",), "Succeeded to destroy custom process group."))
 
+    @routes.route("*", "/weights_checker")
+    async def weights_checker(request):
+        """SGLang's ``CheckWeightsReqInput`` (``action`` ``checksum`` by default); 400 with success false on
+        an action it does not know or a ``compare`` that finds a difference."""
+        data = await body(request) if request.method == "POST" else {}
+        try:
+            answer = await asyncio.to_thread(server.check_weights, data.get("action", "checksum"))
+        except BadRequest as exc:
+            return web.json_response({"success": False, "message": str(exc)}, status=400)
+        return web.json_response(answer)
+
     def memory_occupation(method):
         async def handler(request):
             data = await body(request)

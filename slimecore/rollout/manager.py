@@ -123,9 +123,12 @@ class RolloutManager:
         self.loop.run_until_complete(self.client.pause_for_update())
         return self.weight_endpoints()
 
-    def resume_after_update(self, version: int, trainer_push: bool = False) -> None:
+    def resume_after_update(self, version: int, trainer_push: bool = False, expected: dict | None = None) -> None:
         """``trainer_push``: the trainers pushed ``version`` themselves (they can push again to an engine
-        restarted while no engine serves the pushed weights, slimecore.engines.fleet)."""
+        restarted while no engine serves the pushed weights, slimecore.engines.fleet). ``expected``: the
+        checksums of what the trainer sent, which every engine must report before it resumes (--check-weights)."""
+        if expected is not None:
+            self.check_weights(expected, version)
         self.client.policy_version = version  # what the engines serve from now on (fully-async staleness)
         if self.fleet:
             self.fleet.trainers_push = self.fleet.trainers_push or trainer_push
@@ -138,8 +141,25 @@ class RolloutManager:
         within ``wait`` seconds."""
         return [self.launcher.endpoint(url) for url in self.fleet.repush_request(wait)] if self.fleet else []
 
-    def repushed(self, version: int) -> None:
+    def repushed(self, version: int, expected: dict | None = None, urls: list[str] | None = None) -> None:
+        """The trainers pushed ``version`` to the restarted engines at ``urls``; with ``expected`` (their checksums
+        of it) those engines, still out of the router, are checked before they go back in."""
+        if expected is not None:
+            self.check_weights(expected, version, urls)
         self.fleet.repushed(str(version))
+
+    def check_weights(self, expected: dict[str, str], version: int, urls: list[str] | None = None) -> None:
+        """The weight-sync sentinel (``slimecore.weight_check``): every engine (or ``urls``) reports the checksum of
+        what it serves through SGLang's ``/weights_checker``; one that differs from ``expected`` stops the run."""
+        from slimecore.weight_check import check_engines
+
+        start = time.perf_counter()
+        if urls is None:  # the engines in the router
+            urls = self.loop.run_until_complete(self.client.worker_urls())
+        compared = check_engines(expected, urls, str(version), every_name=self.config.rollout_engine != "sglang",
+                                 api_key=self.client.api_key, timeout=self.config.ray_timeout)
+        log.info("weight check v%s: %d engine(s) hold the %d tensor(s) compared (%.3fs)", version, len(urls),
+                 compared, time.perf_counter() - start)
 
     def release_memory(self) -> None:
         """--offload-rollout: every engine frees its weights and KV cache while the trainer trains."""
@@ -150,13 +170,13 @@ class RolloutManager:
         """SGLang's order: ``["weights"]`` before the update, ``["kv_cache", "cuda_graph"]`` after it."""
         self.loop.run_until_complete(self.client.on_every_engine("/resume_memory_occupation", {"tags": tags}))
 
-    def update_weights(self, weights, version: int) -> float:
+    def update_weights(self, weights, version: int, expected: dict | None = None) -> float:
         """Load new weights into every engine: ``[ref]`` to a name->tensor dict in the object store (each
         engine fetches it once), or, for disk transport, a safetensors directory. Returns seconds taken."""
         start = time.perf_counter()
         self.pause_for_update()
         self.fleet.update_weights(weights, str(version), self.config.ray_timeout)
-        self.resume_after_update(version)
+        self.resume_after_update(version, expected=expected)
         return time.perf_counter() - start
 
     # -- one step --------------------------------------------------------------------------

@@ -109,13 +109,16 @@ class TrainActor:
             weights = self.backend.named_weights()
         return weights if self.rank == 0 else None
 
-    def push_weights(self, endpoints: list, version: int, transport: str) -> dict[str, float] | None:
+    def push_weights(self, endpoints: list, version: int, transport: str, checksum: str | None = None
+                     ) -> dict | None:
         """Send the weights to the engines (``slimecore.trainers.weight_sender``); rank 0 sends and returns
-        its figures, the other ranks only take part in gathering sharded weights."""
+        its figures (with ``checksum``, the checksums of what it sent), the other ranks only take part in
+        gathering sharded weights."""
         with self._watchdog():
-            return self._push_weights(endpoints, version, transport)
+            return self._push_weights(endpoints, version, transport, checksum)
 
-    def _push_weights(self, endpoints: list, version: int, transport: str) -> dict[str, float] | None:
+    def _push_weights(self, endpoints: list, version: int, transport: str, checksum: str | None = None
+                      ) -> dict | None:
         self.weights_version = int(version)
         buckets = self.backend.hf_weight_buckets(self.config.update_weight_buffer_size)
         if self.rank != 0:
@@ -127,14 +130,25 @@ class TrainActor:
 
             self._sender = WeightSender(self.config.update_weight_buffer_size, timeout=self.config.ray_timeout,
                                          skip_unreachable=self.config.use_fault_tolerance)
-        return self._sender.push(buckets, endpoints, str(version), transport)
+        return self._sender.push(buckets, endpoints, str(version), transport, checksum)
 
-    def push_held_weights(self, endpoints: list, transport: str) -> int:
+    def push_held_weights(self, endpoints: list, transport: str, checksum: str | None = None) -> tuple:
         """Push the weights held now to engines restarted since the last push, labelled with the version they
         are: the run may have trained a step since that push (the async loops), so its version would be one
-        behind them. Returns that version (``slimecore.weight_repush``)."""
-        self.push_weights(endpoints, self.weights_version, transport)
-        return self.weights_version
+        behind them. Returns that version and the checksums of what was sent (``slimecore.weight_repush``)."""
+        figures = self.push_weights(endpoints, self.weights_version, transport, checksum)
+        return self.weights_version, (figures or {}).get("checksums")
+
+    def weight_checksums(self, checksum: str) -> dict[str, str] | None:
+        """Rank 0's ``slimecore.weight_check`` checksums of the weights it holds (the object-store and disk
+        transports, where the engines load them without rank 0's sender). Every rank is called."""
+        from slimecore import weight_check
+        from slimecore.engines.weight_sync import unique_tensors
+
+        weights = self.named_weights()
+        if weights is None:
+            return None
+        return weight_check.checksums(unique_tensors(weights.items()), only_1d=checksum == "1d")
 
     def offload(self) -> None:
         self.backend.offload()
@@ -212,6 +226,7 @@ class TrainGroup:
 
     def __init__(self, config: Config, pg: PlacementGroup | None, bundles: list[int], role: str = "actor"):
         self.config, self.role = config, role
+        self.syncs_checked = 0  # weight syncs checked by --check-weights so far
         world = len(bundles)
         master_addr, port = "127.0.0.1", free_port()
         if spans_nodes(pg):  # rank 0's node address, as every rank must reach it
@@ -297,17 +312,39 @@ class TrainGroup:
         self._wait(refs, "the weight sync (gathering weights for the engines)", fetch=False)
         return refs[0]  # the other ranks return None
 
-    def push_weights(self, endpoints: list, version: int, transport: str) -> dict[str, float]:
-        """Rank 0 sends the weights straight to the engines (every rank takes part); its figures."""
+    def checksum_kind(self, again: bool = False) -> str | None:
+        """What this sync's weight check needs from rank 0 (``--check-weights``): ``"all"`` checksums, ``"1d"``
+        (an SGLang engine compares its 1-D tensors only, ``slimecore.weight_check``) or None. ``again``: a push
+        to restarted engines, checked unless the check is off."""
+        from slimecore.weight_check import due
+
+        mode = self.config.check_weights
+        if mode == "never" or not (again or due(mode, self.syncs_checked)):
+            return None
+        if not again:
+            self.syncs_checked += 1
+        return "1d" if self.config.rollout_engine == "sglang" else "all"
+
+    def weight_checksums(self, checksum: str) -> dict[str, str]:
+        """Rank 0's checksums of the weights it holds (every rank takes part in gathering them)."""
         with self._order:
-            refs = [a.push_weights.remote(endpoints, version, transport) for a in self.actors]
+            refs = [a.weight_checksums.remote(checksum) for a in self.actors]
+        return self._wait(refs, "the checksums of the weights for the weight check")[0]
+
+    def push_weights(self, endpoints: list, version: int, transport: str, checksum: str | None = None) -> dict:
+        """Rank 0 sends the weights straight to the engines (every rank takes part); its figures (with
+        ``checksum``, ``"checksums"`` of what it sent)."""
+        with self._order:
+            refs = [a.push_weights.remote(endpoints, version, transport, checksum) for a in self.actors]
         return self._wait(refs, f"the weight sync (pushing weights v{version} to {len(endpoints)} engine(s))")[0]
 
-    def push_held_weights(self, endpoints: list, transport: str) -> int:
-        """Rank 0 sends the weights held now to ``endpoints`` (every rank takes part); the version they are.
-        A rank that does not finish within ``--train-timeout`` fails it with :class:`TrainTimeout`."""
+    def push_held_weights(self, endpoints: list, transport: str) -> tuple[int, dict | None]:
+        """Rank 0 sends the weights held now to ``endpoints`` (every rank takes part); the version they are and
+        the checksums of what it sent (None with ``--check-weights never``). A rank that does not finish within
+        ``--train-timeout`` fails it with :class:`TrainTimeout`."""
+        checksum = self.checksum_kind(again=True)
         with self._order:
-            refs = [a.push_held_weights.remote(endpoints, transport) for a in self.actors]
+            refs = [a.push_held_weights.remote(endpoints, transport, checksum) for a in self.actors]
         urls = [e.url for e in endpoints]
         return self._wait(refs, f"pushing the weights again to the restarted engine(s) {urls}")[0]
 

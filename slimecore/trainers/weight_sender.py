@@ -27,6 +27,7 @@ from urllib.parse import urlparse
 
 import torch
 
+from slimecore import weight_check
 from slimecore.engines import weight_sync
 from slimecore.engines.launch import Endpoint
 from slimecore.engines.router import free_port, http_json
@@ -54,6 +55,8 @@ class WeightSender:
         self._group_name: str | None = None
         self._group_members: tuple[Endpoint, ...] = ()
         self._groups_made = 0
+        self._checksum: str | None = None  # push's ``checksum`` while it runs
+        self._checksums: dict[str, str] = {}
 
     # -- HTTP ------------------------------------------------------------------------------------
     def _post(self, endpoint: Endpoint, path: str, body: dict) -> dict:
@@ -80,9 +83,12 @@ class WeightSender:
 
     # -- pushes ----------------------------------------------------------------------------------
     def push(self, buckets: Iterable[weight_sync.NamedTensors], endpoints: list[Endpoint], version: str,
-             transport: str) -> dict[str, float]:
-        """Send every bucket to every engine; returns ``{"seconds", "bytes", "buckets"}``."""
+             transport: str, checksum: str | None = None) -> dict:
+        """Send every bucket to every engine; returns ``{"seconds", "bytes", "buckets"}``, and with ``checksum``
+        (``"all"``, or ``"1d"``: the tensors an SGLang engine keeps under their HF name) ``"checksums"``: the
+        ``slimecore.weight_check`` checksum of every tensor sent, computed while the engines load the bucket."""
         start, total, count = time.perf_counter(), 0, 0
+        self._checksum, self._checksums = checksum, {}
         if transport == "distributed":
             self._connect(endpoints)
         for bucket in buckets:
@@ -93,7 +99,16 @@ class WeightSender:
             else:
                 raise ValueError(f"transport {transport!r}: the sender does tensor or distributed")
             count += 1
-        return {"seconds": time.perf_counter() - start, "bytes": float(total), "buckets": float(count)}
+        figures = {"seconds": time.perf_counter() - start, "bytes": float(total), "buckets": float(count)}
+        if checksum is not None:
+            figures["checksums"] = self._checksums
+        return figures
+
+    def _sum_while_loading(self, bucket: weight_sync.NamedTensors) -> None:
+        """The bucket's checksums, taken while the engines copy it (the hash releases the GIL; this thread
+        would otherwise only wait for their answers)."""
+        if self._checksum is not None:
+            self._checksums.update(weight_check.checksums(bucket, only_1d=self._checksum == "1d"))
 
     def _send_tensor(self, bucket: weight_sync.NamedTensors, endpoints: list[Endpoint], version: str) -> int:
         cpu = bucket[0][1].device.type == "cpu"
@@ -107,6 +122,7 @@ class WeightSender:
                                  [weight_sync.tensor_body([weight_sync.serialize({"flattened_tensor": flat,
                                                                                   "metadata": metadata})
                                                            for _ in range(e.tp_size)], version) for e in endpoints])
+        self._sum_while_loading(bucket)
         self._wait(futures)
         if not cpu:  # a CUDA bucket is never reused (SGLang may still be copying from it), only freed
             del flat
@@ -133,6 +149,7 @@ class WeightSender:
         body = weight_sync.distributed_body(bucket, self._group_name, version)
         futures = self._post_all(endpoints, "/update_weights_from_distributed", [body] * len(endpoints))
         weight_sync.broadcast(self._group, flat)
+        self._sum_while_loading(bucket)
         self._wait(futures)
         return flat.numel()
 
