@@ -47,6 +47,7 @@ class Trainer:
             config, hooks, rank=rank, world_size=world_size, value_model=self.is_value, keep_reference=keep_reference,
             **options)
         self.outputs: dict = {}  # per-sample results another role needs (the actor's returns, for the critic)
+        self._first_log_probs: list | None = None  # the first step's per-sample log-probs (--max-logprob-mismatch)
         self._old_values: dict | None = None
 
     # -- no-grad passes ------------------------------------------------------------------------------
@@ -131,6 +132,9 @@ class Trainer:
 
         steps = data["steps"] if update else []
         start = time.perf_counter()
+        bound = config.max_logprob_mismatch
+        # --max-logprob-mismatch dumps the per-sample log-probs: kept from the first step's forward when measured there
+        self._first_log_probs = [None] * len(batch["tokens"]) if bound is not None and measure_in_first_step else None
         per_step = [self._optimizer_step(batch, step, measure_mismatch=measure_in_first_step and n == 0)
                     for n, step in enumerate(steps)]
         for key in {k for m in per_step for k in m}:
@@ -138,6 +142,13 @@ class Trainer:
             metrics[key] = sum(values) / len(values)
         if steps:
             metrics.update(self._throughput(batch, steps, time.perf_counter() - start))
+        mismatch = metrics.get("train/train_rollout_logprob_abs_diff")
+        if bound is not None and mismatch is not None and mismatch > bound:
+            from slimecore.parity import stop_on_mismatch
+
+            scored = batch["log_probs"] if "log_probs" in batch else self._first_log_probs
+            stop_on_mismatch(config, rollout_id, self.backend.rank, mismatch, data,
+                             [None if lp is None else lp.detach().float().cpu() for lp in scored])
         return metrics
 
     def _optimizer_step(self, batch: dict, step: dict, measure_mismatch: bool = False) -> dict[str, float]:
@@ -153,6 +164,9 @@ class Trainer:
                 diffs = [(lp.detach() - roll).abs() for lp, roll in zip(outputs["log_probs"],
                                                                         mb_batch["rollout_log_probs"])]
                 info["train_rollout_logprob_abs_diff"] = reducer(diffs)
+                if self._first_log_probs is not None:
+                    for i, lp in zip(mb, outputs["log_probs"]):
+                        self._first_log_probs[i] = lp.detach().float().cpu()
             return value, {k: float(v) for k, v in info.items()}
 
         sums: dict[str, float] = {}
