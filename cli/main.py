@@ -49,6 +49,7 @@ def train(ctx):
             click.echo(train_help(loaded[2], loaded[3], every="--help-all" in loaded[0]), nl=False)
             return
         config, hooks, implied = train_config(loaded)
+        _banner(config, hooks, implied)  # the first line within a second or two: the checks below take longer
         hooks.check(skip_required=_not_needed(config))
         from slimecore.defaults.reward import check_reward_sources  # here: the small commands need no aiohttp
 
@@ -69,15 +70,6 @@ def train(ctx):
             check_startup(config, hooks)
     except (ConfigError, PluginError, FileNotFoundError, ValueError) as exc:
         _fail(exc)
-    versions = ", ".join(escape(f"{p.name}{' ' + p.version if p.version else ''} [{p.origin}]") for p in hooks.plugins)
-    console.print(f"slime-core {slimecore.__version__} | plugins: {versions}")
-    for plugin, values in implied.items():
-        if values:
-            flags = " ".join(flag_text(CORE_BY_NAME[k], v) for k, v in values.items())
-            console.print(f"plugin {plugin!r} runs with {flags}")
-    if config.recommended_applied:
-        settings = " ".join(flag_text(CORE_BY_NAME[k], v) for k, v in config.recommended_applied.items())
-        console.print(f"{config.recommended_by}: using its quick-start settings {settings} (set any flag to override)")
     hooks.slime_startup(config=config, process="driver")
     from slimecore.display import RunDisplay
     from slimecore.preflight import check_before_ray
@@ -108,6 +100,19 @@ def train(ctx):
     except Exception as exc:
         _report(exc, config.log_level == "debug")
     display.summary(json.loads((run_dir / "summary.json").read_text()))
+
+
+def _banner(config, hooks, implied: dict) -> None:
+    """The run's first lines: the plugins and their versions, what they imply, the quick-start values used."""
+    versions = ", ".join(escape(f"{p.name}{' ' + p.version if p.version else ''} [{p.origin}]") for p in hooks.plugins)
+    console.print(f"slime-core {slimecore.__version__} | plugins: {versions}")
+    for plugin, values in implied.items():
+        if values:
+            flags = " ".join(flag_text(CORE_BY_NAME[k], v) for k, v in values.items())
+            console.print(f"plugin {plugin!r} runs with {flags}")
+    if config.recommended_applied:
+        settings = " ".join(flag_text(CORE_BY_NAME[k], v) for k, v in config.recommended_applied.items())
+        console.print(f"{config.recommended_by}: using its quick-start settings {settings} (set any flag to override)")
 
 
 def train_plugins(argv: list[str]) -> tuple:
