@@ -18,7 +18,7 @@ from rich.cells import cell_len
 from rich.console import Console
 from rich.markup import escape
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
-from rich.table import Table
+from rich.table import Column, Table
 from rich.text import Text
 
 STAGES = {"generate": "generating", "train": "training", "sync": "syncing weights", "save": "saving a checkpoint",
@@ -103,10 +103,14 @@ class RunDisplay:
 
     def __enter__(self) -> "RunDisplay":
         if self.live:
-            self.progress = Progress(SpinnerColumn(), TextColumn("[bold]{task.fields[stage]:<24}"), BarColumn(),
-                                     MofNCompleteColumn(), TimeElapsedColumn(), TextColumn("{task.fields[eta]}"),
-                                     TextColumn("{task.fields[last]}"), console=self.console,
-                                     redirect_stdout=True, redirect_stderr=True)
+            whole = Column(no_wrap=True)  # the step count, the times: never cut; the bar and the last step's
+            self.progress = Progress(  # figures give way on a narrow terminal (80 columns)
+                SpinnerColumn(), TextColumn("[bold]{task.fields[stage]:<24}", table_column=Column(no_wrap=True)),
+                BarColumn(bar_width=None, table_column=Column(ratio=1, min_width=5)),
+                MofNCompleteColumn(table_column=whole), TimeElapsedColumn(table_column=whole),
+                TextColumn("{task.fields[eta]}", table_column=whole),
+                TextColumn("{task.fields[last]}", table_column=Column(ratio=2, no_wrap=True, overflow="ellipsis")),
+                console=self.console, redirect_stdout=True, redirect_stderr=True, expand=True)
             streams = (sys.stdout, sys.stderr)
             self.progress.start()  # from here sys.stdout / sys.stderr print above the bar
             self.rerouted = _reroute_log_handlers(streams, sys.stderr)

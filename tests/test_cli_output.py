@@ -125,3 +125,17 @@ def test_train_help_is_short_grouped_and_shows_each_type_and_default():
     assert "-> transformer.num_layers" in _option_text(every, "--num-layers INT")  # Megatron's pass-through
     assert "--rollout-function-path TEXT" in every and "--rollout-function-path" not in text  # advanced: all only
     assert "sglang (--rollout-engine sglang" in every
+
+
+def test_the_live_bar_at_80_columns_keeps_the_step_count_and_times_whole():
+    import re
+
+    out = io.StringIO()
+    display = RunDisplay(Console(file=out, force_terminal=True, width=80), total=40, live=True)
+    with display:
+        display.step(9, 40, {"rollout/raw_reward": 0.25, "rollout/response_length": 12.5, "perf/step_time": 1.5})
+        display.stage("train", 10)
+        display.progress.refresh()
+        text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
+    [bar] = [line for line in text.splitlines() if "step 11: training" in line][-1:]
+    assert "10/40" in bar and "ETA 45s" in bar and len(bar) <= 80  # the last step's figures give way first
