@@ -23,9 +23,10 @@ def _train_args(checkpoint: Path, log_dir: Path, *extra: str) -> list[str]:
             "--apply-chat-template", *extra]
 
 
-def _run(args: list[str], timeout: float = scaled(240)) -> None:
+def _run(args: list[str], timeout: float = scaled(240)) -> subprocess.CompletedProcess:
     proc = subprocess.run(args, capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+    return proc
 
 
 def shm_files() -> set[str]:
@@ -144,18 +145,25 @@ def test_sigkill_then_resume_continues_with_the_same_prompts(tiny_checkpoint, tm
     ref = tmp_path / "ref"
     _run(_train_args(tiny_checkpoint, ref / "log", "--num-rollout", "4", "--rollout-shuffle",
                      "--save-debug-rollout-data", str(ref / "dump_{rollout_id}.pt")))
-    # the same run, killed with SIGKILL right after step 1 (its checkpoint is complete)
+    # the same run, killed with SIGKILL right after step 1 (its checkpoint is complete); --load DIR --save DIR
+    # on a DIR that does not exist yet (slime's scripts do so on a first run) starts fresh, saying so
     run = tmp_path / "run"
     save = run / "ckpt"
     args = _train_args(tiny_checkpoint, run / "log", "--num-rollout", "4", "--rollout-shuffle", "--save", str(save),
-                       "--save-interval", "1", "--save-debug-rollout-data", str(run / "dump_{rollout_id}.pt"),
+                       "--load", str(save), "--save-interval", "1",
+                       "--save-debug-rollout-data", str(run / "dump_{rollout_id}.pt"),
                        "--plugin", str(Path(__file__).parent / "kill_plugin.py"), "--kill-after-step", "1")
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    assert proc.wait(timeout=scaled(240)) == -signal.SIGKILL
+    run.mkdir()
+    with open(run / "first.log", "w") as log:
+        proc = subprocess.Popen(args, stdout=log, stderr=log, start_new_session=True)
+        assert proc.wait(timeout=scaled(240)) == -signal.SIGKILL
+    assert f"--load {save}: no checkpoint in it yet; starting fresh" in (run / "first.log").read_text()
     assert (save / "latest_checkpointed_iteration.txt").read_text() == "1"
-    # resume: continues at step 2 with exactly the prompts the uninterrupted run used
-    _run(_train_args(tiny_checkpoint, run / "log2", "--num-rollout", "4", "--rollout-shuffle", "--load", str(save),
-                     "--save-debug-rollout-data", str(run / "resumed_{rollout_id}.pt")))
+    # resume: continues at step 2 with exactly the prompts the uninterrupted run used, and says from where
+    resumed = _run(_train_args(tiny_checkpoint, run / "log2", "--num-rollout", "4", "--rollout-shuffle", "--load",
+                               str(save), "--save-debug-rollout-data", str(run / "resumed_{rollout_id}.pt")))
+    assert f"resuming from {save / 'iter_0000001'}: 2 steps done, running steps 3-4 of --num-rollout 4" in \
+        resumed.stderr
     assert [m["rollout/step"] for m in _metrics(run / "log2")] == [2, 3]
     for step in (2, 3):
         assert _prompts(run / f"resumed_{step}.pt") == _prompts(ref / f"dump_{step}.pt")
