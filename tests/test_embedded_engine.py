@@ -284,21 +284,35 @@ def test_shared_prompt_prefix_is_prefilled_once_and_changes_no_value(embedded_en
         assert_logprobs_match(server, req.input_ids, out)
 
 
-def test_draw_follows_the_row_probabilities(monkeypatch):
-    """The engine's sampler: each row's frequencies match its (unnormalised) weights; weight 0 never comes."""
-    from slimecore.engines.embedded import _draw
+@pytest.mark.parametrize("seeded", [False, True])
+def test_draw_follows_the_row_probabilities(seeded):
+    """The engine's sampler: each row's frequencies match its (unnormalised) weights; weight 0 never comes; the
+    same with the counter-based numbers of seeded rows (one seed, successive positions)."""
+    from slimecore.engines.embedded import _draw, _seeded_uniform
 
     weights = torch.tensor([[0.2, 0.0, 1.2, 0.6], [0.0, 0.0, 0.0, 5.0], [1.0, 1.0, 1.0, 1.0]])
     n = 60_000
-    tokens = _draw(weights.repeat(n, 1), torch.Generator().manual_seed(3)).view(n, 3)
+    uniform = (torch.tensor([[_seeded_uniform(7, p)] for p in range(3 * n)]) if seeded
+               else torch.rand(3 * n, 1, generator=torch.Generator().manual_seed(3)))
+    tokens = _draw(weights.repeat(n, 1), uniform).view(n, 3)
     for row in range(3):
         freq = torch.bincount(tokens[:, row], minlength=4).double() / n
         expected = weights[row].double() / weights[row].sum()
         assert (freq - expected).abs().max() < 0.01  # ~5 standard errors at n = 60k
         assert freq[expected == 0].sum() == 0
     # a point that rounds up to the row's total still lands on a token of positive probability
-    monkeypatch.setattr(torch, "rand", lambda shape, **kw: torch.ones(shape, dtype=kw["dtype"]))
-    assert _draw(torch.tensor([[0.5, 0.5, 0.0, 0.0]]), torch.Generator()).tolist() == [1]
+    assert _draw(torch.tensor([[0.5, 0.5, 0.0, 0.0]]), torch.ones(1, 1)).tolist() == [1]
+
+
+def test_seeded_rows_draw_alike_in_any_batch_and_order(embedded_engine):
+    """A seeded request's tokens depend on its seed only: alone, or in a batch with other rows in another order."""
+    seeded = {"max_new_tokens": 6, "ignore_eos": True}
+    alone = [generate(embedded_engine, sampling_seed=seed, **seeded)["output_ids"] for seed in (5, 6)]
+    status, batch = http_json("POST", embedded_engine.url + "/generate", {
+        "input_ids": [[5, 6, 7]] * 3,
+        "sampling_params": [{**seeded, "sampling_seed": 6}, seeded, {**seeded, "sampling_seed": 5}]})
+    assert status == 200 and [batch[0]["output_ids"], batch[2]["output_ids"]] == [alone[1], alone[0]]
+    assert alone[0] != alone[1]
 
 
 def test_identical_prompts_are_prefilled_once_and_decode_as_their_own_rows(embedded_engine, monkeypatch):

@@ -88,7 +88,6 @@ class Request:
     finish_reason: dict | None = None
     aborted: bool = False  # set by /abort_request; the decode loop finishes the row after its current step
     created: float = field(default_factory=time.perf_counter)
-    generator: torch.Generator | None = None  # only with sampling_seed: this row then samples on its own
     on_done: Callable[[], None] | None = None  # called once, on the finishing thread, after ``done`` is set
 
     def finished(self) -> asyncio.Future:
@@ -116,9 +115,9 @@ class Request:
 
     @cached_property
     def draws_alone(self) -> bool:
-        """Top-k/top-p/min-p filtering or its own seeded generator: this row cannot share the batched draw."""
+        """Top-k/top-p/min-p filtering: this row cannot share the batched draw."""
         p = self.params
-        return p["top_k"] > 0 or p["top_p"] < 1 or p["min_p"] > 0 or self.generator is not None
+        return p["top_k"] > 0 or p["top_p"] < 1 or p["min_p"] > 0
 
 
 def _is_batch(body: dict) -> bool:
@@ -198,17 +197,31 @@ class _PauseGate(threading.Event):
         self._on_change()
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+def _draw(probs: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One token per row of ``probs`` (B, V), non-negative and not necessarily normalised, drawn with
-    probability ``probs / probs.sum()`` by inverting the row's cumulative sum at one uniform number.
+    probability ``probs / probs.sum()`` by inverting the row's cumulative sum at the row's number of
+    ``uniform`` (B, 1), in [0, 1].
     ``torch.multinomial`` draws one exponential number per token of the vocabulary (18 ms for 16 rows of a 49k
     vocabulary on one core here, against ~1 ms for this). A token of probability 0 is never drawn: the search
     takes the first index whose cumulative sum exceeds the point, and a point that rounds up to the total
     takes the last token of positive probability."""
     cdf = probs.cumsum(-1)  # (B, V)
     total = cdf[:, -1:].contiguous()
-    point = torch.rand(total.shape, generator=generator, dtype=cdf.dtype) * total
+    point = uniform.to(cdf.dtype) * total
     return torch.minimum(torch.searchsorted(cdf, point, right=True), torch.searchsorted(cdf, total)).squeeze(1)
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _seeded_uniform(seed: int, position: int) -> float:
+    """A number in [0, 1) that depends on ``(seed, position)`` only: splitmix64's finaliser of both, 53 bits.
+    Counter-based (no state), as SGLang's seeded sampler hashes (seed, position), so a seeded request draws
+    the same tokens whichever engine, batch or arrival order serves it."""
+    z = (seed * 0x9E3779B97F4A7C15 + (position + 1) * 0xD1B54A32D192ED03) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return ((z ^ (z >> 31)) >> 11) / (1 << 53)
 
 
 def _growing_layer_class():
@@ -533,7 +546,8 @@ class EmbeddedServer:
         if "weights" in self._released:
             raise BadRequest("the weights are released (/release_memory_occupation); resume them first")
         with self._weights_lock:
-            named = [*self.model.named_parameters(), *self.model.named_buffers()]
+            # a tied lm_head.weight under its own name too: a trainer may send it (an untied copy of the tie)
+            named = [*self.model.named_parameters(remove_duplicate=False), *self.model.named_buffers()]
             return weight_check.checker_response([weight_check.checksum_info(named)])
 
     def _next_version(self, weight_version: str | None) -> str:
@@ -661,9 +675,7 @@ class EmbeddedServer:
         rid = body.get("rid") or f"{self._rid_prefix}{next(self._rid_count):016x}"  # 32 hex digits, as uuid4().hex
         if not isinstance(rid, str):
             raise BadRequest("rid must be a string")
-        seed = params["sampling_seed"]
-        return Request(rid, list(ids), params, bool(body.get("return_logprob")), start, stop_ids,
-                       generator=None if seed is None else torch.Generator().manual_seed(seed))
+        return Request(rid, list(ids), params, bool(body.get("return_logprob")), start, stop_ids)
 
     def submit(self, request: Request) -> Request:
         """Queue a request (held aside while paused); ``request.done`` is set when its response is ready."""
@@ -904,24 +916,36 @@ class EmbeddedServer:
     def _sample(self, reqs: list[Request], logits: torch.Tensor) -> list[int]:
         """One token per row; records its log-prob, ``log_softmax(logits / T)`` over the full vocabulary.
 
-        The softmax and the draw run batched; rows with top-k/top-p/min-p or their own seed draw one by one."""
+        The softmax and the draw run batched; rows with top-k/top-p/min-p draw one by one. A row with a
+        ``sampling_seed`` draws at a number that depends only on its seed and the token's position
+        (:func:`_seeded_uniform`), so its tokens do not depend on the batch it shares or the order requests came
+        in; other rows draw from the engine's generator."""
         for i, req in enumerate(reqs):
             if req.adjusts_logits:
                 self._adjust_logits(req, logits[i])
         temps = torch.tensor([r.params["temperature"] for r in reqs], dtype=logits.dtype)
         logp = torch.log_softmax(logits / temps[:, None], dim=-1)  # (B, V)
         tokens = logp.argmax(dim=-1)  # greedy rows (top_k 1) keep this
-        plain = [i for i, r in enumerate(reqs) if r.params["top_k"] != 1 and not r.draws_alone]
+        drawn = [i for i, r in enumerate(reqs) if r.params["top_k"] != 1]
+        uniform = self._uniform([reqs[i] for i in drawn])  # (len(drawn), 1)
+        plain = [k for k, i in enumerate(drawn) if not reqs[i].draws_alone]
         if plain:
-            tokens[plain] = _draw(logp[plain].exp(), self.generator)
-        for i, req in enumerate(reqs):
-            if req.params["top_k"] != 1 and req.draws_alone:
-                probs = self._filtered_probs(logp[i], req.params)
-                tokens[i] = int(_draw(probs[None], req.generator or self.generator))
+            tokens[[drawn[k] for k in plain]] = _draw(logp[[drawn[k] for k in plain]].exp(), uniform[plain])
+        for k, i in enumerate(drawn):
+            if reqs[i].draws_alone:
+                tokens[i] = int(_draw(self._filtered_probs(logp[i], reqs[i].params)[None], uniform[k:k + 1]))
         picked = logp.gather(1, tokens[:, None]).squeeze(1).tolist()
         for req, value in zip(reqs, picked):
             req.logprobs.append(value)
         return tokens.tolist()
+
+    def _uniform(self, reqs: list[Request]) -> torch.Tensor:
+        """One number in [0, 1] per row (len(reqs), 1): counter-based for a seeded row, else the generator's."""
+        seeds = [r.params["sampling_seed"] for r in reqs]
+        unseeded = iter(torch.rand(sum(s is None for s in seeds), generator=self.generator, dtype=torch.float64)
+                        .tolist())
+        return torch.tensor([[next(unseeded) if s is None else _seeded_uniform(s, len(r.input_ids) + len(r.output_ids))]
+                             for r, s in zip(reqs, seeds)], dtype=torch.float64).reshape(len(reqs), 1)
 
     @staticmethod
     def _adjust_logits(req: Request, logits: torch.Tensor) -> None:
