@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hashlib
 import logging
 import math
 import time
@@ -42,6 +43,15 @@ def sampling_params(config, evaluation: bool = False) -> dict:
     if config.rollout_stop_token_ids:
         params["stop_token_ids"] = list(config.rollout_stop_token_ids)
     return params
+
+
+def sampling_seed(config, rollout_id: int, index: int | None, turn: int, evaluation: bool = False) -> int:
+    """SGLang's per-request ``sampling_seed`` for one generate call: 63 bits of a hash of (``--seed``,
+    ``--rollout-seed``, rollout id, sample index, turn, eval or not). The same run asks the same seeds whatever
+    the engines, batching and arrival order; the embedded engine always honours them, SGLang with
+    ``--sglang-enable-deterministic-inference`` (it ignores them otherwise)."""
+    key = f"{config.seed}/{config.rollout_seed}/{rollout_id}/{index}/{turn}/{int(evaluation)}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "big") >> 1
 
 
 def concurrency(config) -> int:
@@ -88,7 +98,10 @@ class GroupRunner:
             return sample  # finished before its group was aborted; resumed groups only continue the rest
         async with self.semaphore:
             start = time.perf_counter()
-            call = self.sample_hooks.generate(config=self.config, sample=sample, sampling_params=self.params,
+            # turn: the generate calls this sample has had (a partial rollout's continuation is the next turn)
+            params = {**self.params, "sampling_seed": sampling_seed(self.config, self.rollout_id, sample.index,
+                                                                    len(sample.weight_versions), self.evaluation)}
+            call = self.sample_hooks.generate(config=self.config, sample=sample, sampling_params=params,
                                               client=self.client, evaluation=self.evaluation)
             try:
                 out = await asyncio.wait_for(call, self.config.generate_timeout)
