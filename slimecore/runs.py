@@ -156,7 +156,8 @@ def write_samples(config: Config, rollout_id: int, samples: list) -> None:
             f.write(json.dumps({"step": rollout_id, "group": sample.group_index, "index": sample.index,
                                 "prompt": sample.prompt, "response": sample.response, "label": sample.label,
                                 "reward": sample.reward, "status": status,
-                                "response_length": sample.response_length}, default=str) + "\n")
+                                "response_length": sample.response_length,
+                                "weight_versions": sample.weight_version_spans}, default=str) + "\n")
 
 
 # -- reading runs back -----------------------------------------------------------------------------------------

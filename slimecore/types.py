@@ -61,6 +61,10 @@ class Sample:
     reward: float | dict | None = None
     loss_mask: list[int] | None = None
     weight_versions: list[str] = field(default_factory=list)
+    # slime-core: [[weight version, token count], ...] over the response tokens in order, the version of the
+    # policy that generated each span (None: tokens the model did not generate, a tool's output); a partial
+    # rollout's sample continued under new weights has a span per version
+    weight_version_spans: list[list] = field(default_factory=list)
     rollout_log_probs: list[float] | None = None
     remove_sample: bool = False
     status: Status = Status.PENDING
@@ -175,9 +179,22 @@ class Sample:
         self.response += text
         if weight_version is not None:
             self.weight_versions.append(str(weight_version))
+        if tokens:
+            version = str(weight_version) if trainable and weight_version is not None else None
+            if self.weight_version_spans and self.weight_version_spans[-1][0] == version:
+                self.weight_version_spans[-1][1] += len(tokens)
+            else:
+                self.weight_version_spans.append([version, len(tokens)])
         if kind is not None:
             self.status = _FINISH_TO_STATUS[kind]
         self.check_aligned()
+
+    def oldest_weight_version(self) -> str | None:
+        """The oldest policy version that generated any of the response's tokens (what its staleness is
+        measured from); the last version reported when none is numeric (an engine's initial ``default``)."""
+        versions = [v for v, _ in self.weight_version_spans if v is not None] or self.weight_versions
+        numeric = [int(v) for v in versions if str(v).lstrip("-").isdigit()]
+        return str(min(numeric)) if numeric else (versions[-1] if versions else None)
 
     def check_aligned(self) -> None:
         """Raise SampleError if lengths of tokens / loss_mask / rollout_log_probs disagree."""
@@ -198,7 +215,7 @@ class Sample:
         self.response, self.response_length = "", 0
         self.loss_mask = self.rollout_log_probs = None
         self.reward, self.status = None, Status.PENDING
-        self.weight_versions = []
+        self.weight_versions, self.weight_version_spans = [], []
         self.train_columns = {}
 
     # -- serialisation (debug dumps, checkpoints of the buffer) ----------------------------------
@@ -307,7 +324,7 @@ class RolloutColumns(_EngineLogProbs):
     rollout_ids: list[int]  # ``Sample.rollout_id``, or a fresh id: samples of one rollout share one loss weight
     sample_indices: list[int | None]
     truncated: list[int]  # 1 where the response hit the length limit
-    weight_versions: list[str | None]  # slime-core: the policy version that finished each sample
+    weight_versions: list[str | None]  # slime-core: the oldest policy version that generated a token of each sample
 
 
 class StepSchedule(TypedDict):

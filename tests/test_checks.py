@@ -52,3 +52,43 @@ def test_forced_logprob_gap_stops_the_step_with_both_vectors_dumped(tiny_checkpo
     assert row["rollout_log_probs"] == pytest.approx(data["rollout_log_probs"][2])
     assert row["train_log_probs"] == pytest.approx(engine[2], abs=1e-5)
     assert row["logprob_mismatch"] == pytest.approx(0.5, abs=1e-4)
+
+
+# -- policy-version provenance -------------------------------------------------------------------------------
+def test_partial_rollout_sample_spans_the_two_versions_that_generated_it(embedded_engine, tiny_checkpoint, tmp_path):
+    """A sample cut off under weights v1 and continued after v2 arrived (the built-in generate hook's partial-rollout
+    continuation) records one span per version, each as long as what that version generated; its staleness counts
+    from v1; the span list reaches samples.jsonl and the debug dump's dict."""
+    import asyncio
+
+    from slimecore.config import Config
+    from slimecore.defaults.rollout import slime_generate
+    from slimecore.rollout.client import RolloutClient
+    from slimecore.rollout.manager import convert_samples
+    from slimecore.runs import write_samples
+    from slimecore.types import Sample
+
+    config = Config.make(hf_checkpoint=str(tiny_checkpoint), log_dir=str(tmp_path), log_samples=-1)
+    norm = dict(embedded_engine.model.state_dict())["model.norm.weight"].clone()
+    sample = Sample(index=0, tokens=[5, 6, 7, 8])
+    params = {"max_new_tokens": 3, "temperature": 1.0, "ignore_eos": True, "sampling_seed": 3}
+
+    async def generate(max_new_tokens: int) -> None:
+        client = RolloutClient(embedded_engine.url)
+        await slime_generate(config=config, sample=sample, sampling_params={**params, "max_new_tokens": max_new_tokens},
+                             client=client, observation=None, agent=None)
+        await client.close()
+
+    embedded_engine.load_weights({"model.norm.weight": norm}, "1", complete=False)
+    asyncio.run(generate(3))  # cut off after 3 tokens under v1
+    embedded_engine.load_weights({"model.norm.weight": norm * 1.5}, "2", complete=False)
+    asyncio.run(generate(8))  # the continuation: 5 more under v2
+    assert sample.weight_version_spans == [["1", 3], ["2", 5]] and sample.response_length == 8
+    assert sample.weight_versions == ["1", "2"] and sample.oldest_weight_version() == "1"
+    sample.reward = 1.0
+    assert convert_samples(load_plugins([]), config, [sample])["weight_versions"] == ["1"]  # staleness from v1
+    assert Sample.from_dict(sample.to_dict()).weight_version_spans == [["1", 3], ["2", 5]]  # the debug dump
+    write_samples(config, 4, [sample])
+    (row,) = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert row["weight_versions"] == [["1", 3], ["2", 5]]
+    embedded_engine.load_weights({"model.norm.weight": norm}, "default", complete=False)
