@@ -7,6 +7,7 @@ the Ray object store. It also pushes new weights to the engines and runs eval.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import statistics
@@ -22,7 +23,6 @@ from slimecore.errors import check_reward_failures
 from slimecore.plugins import load_for_config
 from slimecore.raytools import ray_get
 from slimecore.rollout.hook_args import SampleHooks, buffer_filter
-from slimecore.rollout.watchdog import LoopThread
 from slimecore.runs import write_samples
 from slimecore.types import RolloutColumns, Sample, Status
 
@@ -50,7 +50,7 @@ class RolloutManager:
             self.data_source = self.hooks.slime_data_source(config=config, tokenizer=self.tokenizer,
                                                             buffer_filter=buffer_filter(self.hooks, config))
             self.sample_hooks = SampleHooks(self.hooks)
-            self.loop = LoopThread(aio.new_event_loop())  # on its own thread: deadlines hold when it is blocked
+            self.loop = aio.new_event_loop()
             self._states: dict[int, dict] = {}  # data-source state after each generated step (for checkpoints)
             self._eval_sources: dict[str, object] = {}
             self._retries_logged = 0
@@ -190,10 +190,10 @@ class RolloutManager:
         if c.load_debug_rollout_data:
             samples, metrics = self._load_debug(rollout_id), {}
         else:
-            out = self.loop.run_until_complete(
+            out = self.loop.run_until_complete(asyncio.wait_for(
                 self.hooks.slime_rollout(config=c, rollout_id=rollout_id, data_source=self.data_source,
                                          client=self.client, sample_hooks=self.sample_hooks, evaluation=False),
-                timeout=c.rollout_timeout, what=f"rollout {rollout_id} (--rollout-timeout)")
+                timeout=c.rollout_timeout))
             samples, metrics = [s for group in out.samples for s in group], dict(out.metrics)
         self._states[rollout_id] = (out.data_state if not c.load_debug_rollout_data and out.data_state is not None
                                     else self.data_source.state_dict())
@@ -285,9 +285,8 @@ class RolloutManager:
 
     def shutdown(self) -> None:
         self.hooks.slime_shutdown(config=self.config, process="rollout")
-        if self.client and not self.loop.blocked():
-            self.loop.run_until_complete(self.client.close(), timeout=60, what="closing the engines' HTTP sessions")
-        self.loop.close()
+        if self.client:
+            self.loop.run_until_complete(self.client.close())
         if self.fleet:
             self.fleet.stop()
 
@@ -331,7 +330,7 @@ def convert_samples(hooks, config: Config, samples: list[Sample]) -> RolloutColu
         "rollout_ids": rollout_ids,
         "sample_indices": [s.index for s in samples],
         "truncated": [int(s.status == Status.TRUNCATED) for s in samples],
-        "weight_versions": [s.weight_versions[-1] if s.weight_versions else None for s in samples],
+        "weight_versions": [s.oldest_weight_version() for s in samples],  # staleness counts from the oldest token
     }
     if all(s.rollout_log_probs is not None for s in samples):
         data["rollout_log_probs"] = [list(s.rollout_log_probs) for s in samples]
