@@ -287,9 +287,9 @@ CORE_OPTIONS: list[Option] = [
        "/weights_checker), compared with what the trainer sent; a difference stops the run naming the engine, the "
        "version and the tensors: after every sync, the first one, or never.", choices=("every", "first", "never"),
        group="debug"),
-    _O("max_logprob_mismatch", float, None, "Stop the run when train/logprob_mismatch (mean |train - rollout| "
-       "log-prob of a step) exceeds this, dumping the step's samples with both log-prob vectors. Off by default "
-       "(CPU fp32 differs by ~1e-5); ~0.1 suits bf16 GPU runs.", group="debug"),
+    _O("max_logprob_mismatch", float, None, "Stop the run when train/train_rollout_logprob_abs_diff (mean "
+       "|train - rollout| log-prob of a step) exceeds this, dumping the step's samples with both log-prob vectors. "
+       "Off by default (CPU fp32 differs by ~1e-5); ~0.1 suits bf16 GPU runs.", group="debug"),
 ]
 # fmt: on
 CORE_BY_NAME = {o.name: o for o in CORE_OPTIONS}
@@ -809,6 +809,9 @@ def validate_core(config: Config) -> None:
             raise ConfigError(f"{CORE_BY_NAME[name].flag} needs --save DIR")
     if c.keep_last_n is not None and c.keep_last_n < 1:
         raise ConfigError(f"--keep-last-n must be >= 1, got {c.keep_last_n}")
+    if c.max_logprob_mismatch is not None and not c.max_logprob_mismatch > 0:
+        raise ConfigError(f"--max-logprob-mismatch must be > 0 (a mean |log-prob| difference), got "
+                          f"{c.max_logprob_mismatch}; leave it out to turn the stop off")
     validate_engines(c)
 
 

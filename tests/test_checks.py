@@ -92,3 +92,50 @@ def test_partial_rollout_sample_spans_the_two_versions_that_generated_it(embedde
     (row,) = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert row["weight_versions"] == [["1", 3], ["2", 5]]
     embedded_engine.load_weights({"model.norm.weight": norm}, "default", complete=False)
+
+
+# -- reproducible sampling -------------------------------------------------------------------------------
+def test_same_seed_runs_sample_the_same_tokens_on_one_and_two_engines(tiny_checkpoint, tmp_path):
+    """Two runs of two steps with the same seeds (the second step sampled after a weight sync) generate the same
+    tokens, whether one engine serves the run or two. The weight check runs at every sync meanwhile (the default)
+    and passes; each sample's tokens come from the weights of its step."""
+    import subprocess
+    import sys
+
+    import torch
+
+    pytest.importorskip("slime_grpo", reason="the grpo plugin is installed by scripts/setup.sh")
+
+    def run(name: str, *extra: str) -> list[list[int]]:
+        log_dir = tmp_path / name
+        args = [sys.executable, "-m", "slimecore_cli", "train", "--plugin", "grpo", "--hf-checkpoint",
+                str(tiny_checkpoint), "--task", "compare", "--rollout-batch-size", "2", "--n-samples-per-prompt", "4",
+                "--rollout-max-response-len", "8", "--lr", "1e-3", "--num-rollout", "2", "--log-dir", str(log_dir),
+                "--no-use-tensorboard", "--apply-chat-template", "--log-samples", "-1",
+                "--save-debug-rollout-data", str(log_dir / "dump" / "{rollout_id}.pt"), *extra]
+        proc = subprocess.run(args, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
+        rows = [json.loads(line) for line in (log_dir / "samples.jsonl").read_text().splitlines()]
+        assert all(r["weight_versions"] and r["weight_versions"][0][0] == str(r["step"]) for r in rows)
+        return [s["tokens"] for step in (0, 1) for s in torch.load(log_dir / "dump" / f"{step}.pt")["samples"]]
+
+    first = run("a")
+    assert run("b") == first
+    assert run("two_engines", "--rollout-num-gpus", "2") == first
+
+
+# -- flags ----------------------------------------------------------------------------------------------------
+def test_check_flags_and_sglang_determinism_pass_through():
+    from slimecore.config import ConfigError, parse_config
+
+    base = ["--prompt-data", "x.jsonl", "--rollout-batch-size", "4"]
+    config = parse_config(base + ["--check-weights", "first", "--max-logprob-mismatch", "0.1",
+                                  "--sglang-enable-deterministic-inference", "--sglang-attention-backend", "triton"],
+                          [], {})
+    assert config.check_weights == "first" and config.max_logprob_mismatch == 0.1
+    assert config.sglang_args == {"enable_deterministic_inference": True, "attention_backend": "triton"}
+    assert parse_config(base, [], {}).check_weights == "every" and parse_config(base, [], {}).max_logprob_mismatch is None
+    with pytest.raises(SystemExit):  # argparse: "argument --check-weights: invalid choice: 'sometimes' (choose ...)"
+        parse_config(base + ["--check-weights", "sometimes"], [], {})
+    with pytest.raises(ConfigError, match="--max-logprob-mismatch must be > 0"):
+        parse_config(base + ["--max-logprob-mismatch", "0"], [], {})
