@@ -62,7 +62,8 @@ def train(ctx):
             from slimecore.trainers.megatron import find_bridge
 
             hf_config = AutoConfig.from_pretrained(config.hf_checkpoint)
-            shape = find_bridge(config, hooks, hf_config) if config.train_backend == "megatron" else None
+            shape = (find_bridge(config, hooks, hf_config) if config.train_backend == "megatron"  # else: a bridge
+                     else hooks.slime_model_bridge(config=config, hf_config=hf_config))  # if a plugin answers
             check_against_hf(config, hf_config, shape)
         if config.train_backend == "megatron":
             from slimecore.trainers.megatron import check_startup

@@ -19,6 +19,8 @@ SUPPORTED = ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "Lla
 _ALWAYS_QKV_BIAS = {"Qwen2ForCausalLM"}
 _ALWAYS_QK_NORM = {"Qwen3ForCausalLM", "Qwen3MoeForCausalLM", "DeepseekV3ForCausalLM"}
 _MLA = {"DeepseekV3ForCausalLM"}
+# routers scoring experts with a sigmoid plus a learnt correction bias, group-limited (HF: e_score_correction_bias)
+_SIGMOID_ROUTER = {"Glm4MoeForCausalLM", "DeepseekV3ForCausalLM"}
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,15 @@ class Bridge:
     kv_lora_rank: int | None = None
     qk_pos_emb_head_dim: int | None = None
     v_head_dim: int | None = None
+    # -- MoE routing (None for dense models): score function, expert bias, scaling and group-limited top-k
+    moe_router_score_function: str | None = None
+    moe_router_enable_expert_bias: bool | None = None
+    moe_router_topk_scaling_factor: float | None = None
+    moe_router_num_groups: int | None = None
+    moe_router_group_topk: int | None = None
+    # -- YaRN attention scaling (multi-latent attention with YaRN RoPE; None otherwise)
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
 
     def megatron(self, hf_config: Any, *, dtype=None, overrides: dict | None = None):
         """The megatron-core model factory and weight mapper for ``hf_config`` (``slime_models.megatron``), in the
@@ -69,27 +80,80 @@ class Bridge:
             raise ValueError("the HF config does not have this bridge's shape: " + "; ".join(mismatch))
         return MegatronModel(self, hf_config, dtype=dtype or torch.float32, overrides=overrides)
 
+    @property
+    def multi_latent_attention(self) -> bool:
+        return self.q_lora_rank is not None or self.kv_lora_rank is not None
+
+    def megatron_values(self) -> dict[str, Any]:
+        """What this shape fixes, as Megatron-LM's parser names it (dest -> value): the values slime's
+        ``scripts/models/*.sh`` must give for this checkpoint. slime-core checks each given flag against them."""
+        mla, moe = self.multi_latent_attention, self.num_experts is not None
+        values: dict[str, Any] = {
+            "num_layers": self.num_layers, "hidden_size": self.hidden_size, "ffn_hidden_size": self.ffn_hidden_size,
+            "num_attention_heads": self.num_attention_heads, "vocab_size": self.vocab_size,
+            "rotary_base": self.rotary_base, "layernorm_epsilon": self.norm_epsilon,
+            "untie_embeddings_and_output_weights": self.untie_embeddings_and_output_weights,
+            "add_qkv_bias": self.add_qkv_bias, "qk_layernorm": self.qk_layernorm, "rotary_percent": self.rotary_percent,
+            "normalization": "RMSNorm", "swiglu": True, "gated_linear_unit": True, "add_bias_linear": False,
+            "position_embedding_type": "rope", "use_rotary_position_embeddings": True,
+            "multi_latent_attention": mla, "layernorm_zero_centered_gamma": False, "attention_output_gate": False,
+            "use_gated_attention": False, "spec": _SPECS.get(self.architecture),
+            # GLM-4 dense: a norm after attention and after the MLP, rotary on interleaved pairs (HF's Glm4 code)
+            "post_self_attn_layernorm": self.architecture == "Glm4ForCausalLM",
+            "post_mlp_layernorm": self.architecture == "Glm4ForCausalLM",
+            "rotary_interleaved": self.architecture == "Glm4ForCausalLM",
+            "use_rope_scaling": self.architecture == "LlamaForCausalLM" and self.rotary_scaling_factor is not None,
+            "num_experts": self.num_experts, "moe_router_topk": self.moe_router_topk,
+            "moe_ffn_hidden_size": self.moe_ffn_hidden_size,
+            "moe_shared_expert_intermediate_size": self.moe_shared_expert_intermediate_size,
+            "moe_layer_freq": list(self.moe_layer_freq) if self.moe_layer_freq else None,
+            "moe_router_score_function": self.moe_router_score_function,
+            "moe_router_enable_expert_bias": self.moe_router_enable_expert_bias,
+            "moe_router_topk_scaling_factor": self.moe_router_topk_scaling_factor,
+            "moe_router_num_groups": self.moe_router_num_groups, "moe_router_group_topk": self.moe_router_group_topk,
+            "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
+            "qk_pos_emb_head_dim": self.qk_pos_emb_head_dim, "v_head_dim": self.v_head_dim,
+            "mscale": self.mscale, "mscale_all_dim": self.mscale_all_dim,
+        }
+        if mla:  # Megatron's MLA reads qk_head_dim and never kv_channels (slime's files give 64, 128 or 192)
+            values.update(qk_head_dim=self.kv_channels, kv_channels=..., num_query_groups=...)
+        else:
+            values.update(kv_channels=self.kv_channels, num_query_groups=self.num_query_groups,
+                          group_query_attention=self.num_query_groups != self.num_attention_heads)
+        factor = self.rotary_scaling_factor
+        if values["use_rope_scaling"]:
+            values["rope_scaling_factor"] = factor
+        values["rotary_scaling_factor"] = 1.0 if factor is None else factor
+        if not moe:
+            for name in [name for name in values if name.startswith("moe_") and values[name] is None]:
+                del values[name]  # a dense model: nothing to compare a MoE flag with but "no MoE" (num_experts)
+        return values
+
     def megatron_args(self) -> list[str]:
         """The shape as Megatron command-line flags, like slime's ``MODEL_ARGS`` (``--num-layers 28 ...``)."""
         args: list[str] = []
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if f.name == "architecture" or value is None or value is False:
+        for dest, value in self.megatron_values().items():
+            flag = _FLAGS.get(dest, "--" + dest.replace("_", "-"))
+            if value is None or value is ... or value is False and dest != "add_bias_linear" or dest == "rotary_scaling_factor" and \
+                    not self.multi_latent_attention:
                 continue
-            flag = "--" + f.name.replace("_", "-")
-            if value is True:
+            if isinstance(value, bool):
                 args.append(flag)
-            elif isinstance(value, tuple):
-                args += [flag, _runs(value)]
+            elif dest == "moe_layer_freq":
+                args += [flag, _runs(tuple(value))]
+            elif isinstance(value, (list, tuple)):
+                args += [flag, *map(str, value)]
             else:
                 args += [flag, str(value)]
-        if self.num_query_groups != self.num_attention_heads:
-            args.append("--group-query-attention")
-        if self.q_lora_rank is not None or self.kv_lora_rank is not None:
-            args.append("--multi-latent-attention")
-        args += ["--normalization", "RMSNorm", "--swiglu", "--position-embedding-type", "rope",
-                 "--disable-bias-linear"]
         return args
+
+
+# Megatron-LM's spelling where it is not the dest's own name (``--disable-bias-linear`` sets add_bias_linear False)
+_FLAGS = {"layernorm_epsilon": "--norm-epsilon", "add_bias_linear": "--disable-bias-linear",
+          "layernorm_zero_centered_gamma": "--apply-layernorm-1p"}
+# slime's Megatron layer specs (``--spec MODULE FUNCTION`` in its model files), by the architecture they build; the
+# bridge builds that architecture's layers itself, so the flag is checked to name the checkpoint's architecture
+_SPECS = {"Glm4ForCausalLM": ["slime_plugins.models.glm4", "get_glm_spec"]}
 
 
 def _runs(values: tuple[int, ...]) -> str:
@@ -155,13 +219,21 @@ def bridge_for(hf_config: Any) -> Bridge | None:
     experts = getattr(c, "num_experts", None) or getattr(c, "n_routed_experts", None)
     if experts:
         shared = getattr(c, "n_shared_experts", None)
+        sigmoid = architecture in _SIGMOID_ROUTER
         fields.update(num_experts=experts, moe_router_topk=c.num_experts_per_tok,
                       moe_ffn_hidden_size=c.moe_intermediate_size,
                       moe_shared_expert_intermediate_size=shared * c.moe_intermediate_size if shared else None,
-                      moe_layer_freq=_moe_layer_freq(c, architecture))
+                      moe_layer_freq=_moe_layer_freq(c, architecture),
+                      moe_router_score_function="sigmoid" if sigmoid else "softmax",
+                      moe_router_enable_expert_bias=sigmoid,  # e_score_correction_bias
+                      moe_router_topk_scaling_factor=float(getattr(c, "routed_scaling_factor", None) or 1.0),
+                      moe_router_num_groups=getattr(c, "n_group", None) if sigmoid else None,
+                      moe_router_group_topk=getattr(c, "topk_group", None) if sigmoid else None)
     if architecture in _MLA:  # HF's ``head_dim`` is the rotary part here; Megatron's kv_channels is the rest
         fields.update(kv_channels=c.qk_nope_head_dim, q_lora_rank=c.q_lora_rank, kv_lora_rank=c.kv_lora_rank,
                       qk_pos_emb_head_dim=c.qk_rope_head_dim, v_head_dim=c.v_head_dim)
+        if rope.get("rope_type", rope.get("type")) == "yarn":
+            fields.update(mscale=float(rope.get("mscale", 1.0)), mscale_all_dim=float(rope.get("mscale_all_dim", 0.0)))
     return Bridge(**fields)
 
 
@@ -169,6 +241,13 @@ def _moe_freq(num_layers: int, first_dense: int) -> tuple[int, ...]:
     return (0,) * first_dense + (1,) * (num_layers - first_dense)
 
 
+def _sigmoid_router(scaling: float, groups: int, group_topk: int) -> dict:
+    return dict(moe_router_score_function="sigmoid", moe_router_enable_expert_bias=True,
+                moe_router_topk_scaling_factor=scaling, moe_router_num_groups=groups, moe_router_group_topk=group_topk)
+
+
+_SOFTMAX_ROUTER = dict(moe_router_score_function="softmax", moe_router_enable_expert_bias=False,
+                       moe_router_topk_scaling_factor=1.0)
 _QWEN = dict(vocab_size=151936, rotary_base=1e6, norm_epsilon=1e-6)
 # Named shapes, as in slime's scripts/models/<name>.sh (values those scripts leave to Megatron's defaults, such
 # as kv_channels = hidden / heads, are filled in from the models' HF configs).
@@ -184,7 +263,7 @@ PRESETS: dict[str, Bridge] = {
     "qwen3-30B-A3B": Bridge("Qwen3MoeForCausalLM", 48, 2048, 6144, 32, 4, 128, **_QWEN,
                             untie_embeddings_and_output_weights=True, add_qkv_bias=False, qk_layernorm=True,
                             num_experts=128, moe_router_topk=8, moe_ffn_hidden_size=768,
-                            moe_layer_freq=_moe_freq(48, 0)),
+                            moe_layer_freq=_moe_freq(48, 0), **_SOFTMAX_ROUTER),
     "llama3.1-8B": Bridge("LlamaForCausalLM", 32, 4096, 14336, 32, 8, 128, vocab_size=128256, rotary_base=5e5,
                           norm_epsilon=1e-5, untie_embeddings_and_output_weights=True, add_qkv_bias=False,
                           rotary_scaling_factor=8.0),
@@ -195,13 +274,14 @@ PRESETS: dict[str, Bridge] = {
                                rotary_base=1e6, norm_epsilon=1e-5, untie_embeddings_and_output_weights=True,
                                add_qkv_bias=True, rotary_percent=0.5, num_experts=128, moe_router_topk=8,
                                moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=1408,
-                               moe_layer_freq=_moe_freq(46, 1)),
+                               moe_layer_freq=_moe_freq(46, 1), **_sigmoid_router(1.0, 1, 1)),
     "deepseek-v3": Bridge("DeepseekV3ForCausalLM", 61, 7168, 18432, 128, 128, 128, vocab_size=129280,
                           rotary_base=1e4, norm_epsilon=1e-6, untie_embeddings_and_output_weights=True,
                           add_qkv_bias=False, qk_layernorm=True, rotary_scaling_factor=40.0, num_experts=256,
                           moe_router_topk=8, moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
                           moe_layer_freq=_moe_freq(61, 3), q_lora_rank=1536, kv_lora_rank=512,
-                          qk_pos_emb_head_dim=64, v_head_dim=128),
+                          qk_pos_emb_head_dim=64, v_head_dim=128, **_sigmoid_router(2.5, 8, 4), mscale=1.0,
+                          mscale_all_dim=1.0),
 }
 
 

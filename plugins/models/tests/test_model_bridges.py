@@ -1,13 +1,15 @@
 """Bridges read from HF configs built locally (transformers config classes, no download)."""
 
 import types
+from pathlib import Path
 
 import pytest
-from transformers import (DeepseekV3Config, Glm4Config, Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config,
+from transformers import (AutoConfig, DeepseekV3Config, Glm4Config, Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config,
                           Qwen3MoeConfig)
 
 from slime_models.plugin import PRESETS, bridge_for
-from slimecore.config import Config
+from slimecore.config import Config, ConfigError, parse_config
+from slimecore.megatron_args import check_against_hf, source_model_args
 from slimecore.plugins import installed_entry_points, load_plugins
 
 
@@ -150,3 +152,60 @@ def test_rope_scaling_is_mapped_or_refused():
         _rope_args("LlamaForCausalLM", {**llama3, "high_freq_factor": 2.0})
     with pytest.raises(NotImplementedError, match="RoPE type 'yarn'"):
         _rope_args("Qwen3ForCausalLM", {"rope_type": "yarn", "factor": 4.0})
+
+
+# -- slime's model files (scripts/models/*.sh of THUDM/slime, kept in tests/slime_format) against checkpoints -------
+
+SLIME_MODEL_FILES = Path(__file__).resolve().parents[3] / "tests" / "slime_format" / "scripts" / "models"
+# slime model file -> the preset of the checkpoint it describes (env: what the file reads, for a shorter model)
+MODEL_FILES = {"qwen2.5-0.5B": ("qwen2.5-0.5B", {}), "qwen3-4B": ("qwen3-4B", {}),
+               "qwen3-30B-A3B": ("qwen3-30B-A3B", {}), "llama3.1-8B-Instruct": ("llama3.1-8B", {}),
+               "glm4-9B": ("glm4-9B", {}), "glm4.5-106B-A12B": ("glm4.5-106B-A12B", {}),
+               "deepseek-v3": ("deepseek-v3", {"MODEL_ARGS_NUM_LAYERS": "4"})}
+
+
+def _checkpoint(tmp_path, preset: str, **changes) -> Path:
+    """A checkpoint directory with the preset's config.json (the check reads no weights)."""
+    hf = HF_CONFIGS[preset]()
+    values = {**hf.to_dict(), **changes, "architectures": [PRESETS[preset].architecture]}
+    values.pop("layer_types", None)  # derived from num_hidden_layers
+    type(hf).from_dict(values).save_pretrained(tmp_path)
+    return tmp_path
+
+
+def _check(path: Path, backend: str, args: list[str]) -> None:
+    hf = AutoConfig.from_pretrained(path)
+    config = parse_config(["--rollout-batch-size", "2", "--hf-checkpoint", str(path), "--train-backend", backend,
+                           *args], [], {})
+    check_against_hf(config, hf, bridge_for(hf))
+
+
+@pytest.mark.parametrize("name", sorted(MODEL_FILES))
+def test_slime_model_file_agrees_with_its_checkpoint(name, tmp_path):
+    """Every Megatron flag of the file is read and compared with what the bridge reads from config.json."""
+    preset, env = MODEL_FILES[name]
+    layers = int(env.get("MODEL_ARGS_NUM_LAYERS", 0)) or PRESETS[preset].num_layers
+    first_dense = PRESETS[preset].moe_layer_freq.index(1) if PRESETS[preset].moe_layer_freq else 0
+    path = _checkpoint(tmp_path, preset, num_hidden_layers=layers, **(
+        {"first_k_dense_replace": first_dense} if first_dense else {}))
+    args = source_model_args(SLIME_MODEL_FILES / f"{name}.sh", env)
+    _check(path, "megatron", args)
+    values = PRESETS[preset].megatron_values()
+    if name in ("qwen2.5-0.5B", "qwen3-4B", "llama3.1-8B-Instruct"):  # they describe the model only: fsdp too
+        _check(path, "fsdp", args)
+    assert {"num_layers", "hidden_size", "layernorm_epsilon", "rotary_base"} <= set(values)
+
+
+def test_a_model_file_that_disagrees_names_both_values(tmp_path):
+    deepseek = _checkpoint(tmp_path / "deepseek", "deepseek-v3", num_hidden_layers=4)
+    with pytest.raises(ConfigError, match=r"--num-layers 61 disagrees with .*bridge's num_layers from config.json "
+                                          r"is 4"):
+        _check(deepseek, "megatron", source_model_args(SLIME_MODEL_FILES / "deepseek-v3.sh"))
+    glm4 = source_model_args(SLIME_MODEL_FILES / "glm4-9B.sh")
+    qwen3 = _checkpoint(tmp_path / "qwen3", "qwen3-4B", num_hidden_layers=40, hidden_size=4096,
+                        intermediate_size=13696, num_key_value_heads=2, vocab_size=151552)
+    with pytest.raises(ConfigError, match=r"--spec \['slime_plugins.models.glm4', 'get_glm_spec'\] disagrees .* "
+                                          r"Qwen3ForCausalLM bridge's spec from config.json is None"):
+        _check(qwen3, "fsdp", glm4)
+    with pytest.raises(ConfigError, match=r"--moe-layer-freq \[0, 1, 1, 1\] disagrees .*is \[0, 0, 0, 1\]"):
+        _check(deepseek, "megatron", ["--moe-layer-freq", "[0]+[1]*3"])
