@@ -86,11 +86,46 @@ def overrides(config) -> dict:
             raise ConfigError(f"--sglang-config {path}: expected a mapping of SGLang ServerArgs fields, got "
                               f"{type(data).__name__}")
         if "sglang" in data:  # slime's server-group form
-            from slimecore.defaults.slime_compat import server_group_overrides
-
             data = server_group_overrides(config, path, data)
         values.update({str(k).replace("-", "_"): v for k, v in data.items()})
     return values
+
+
+def server_group_overrides(config, path, data: dict) -> dict:
+    """slime's ``--sglang-config`` form (``sglang: [{name, model_path, num_gpus_per_engine, update_weights,
+    server_groups: [{worker_type, num_gpus, num_gpus_per_engine, overrides}]}]``) as the engines' ServerArgs
+    overrides: read when it describes what slime-core runs (one model, the trained one, in regular groups that
+    share one engine size and one set of overrides, on --rollout-num-gpus devices); any other layout is refused
+    with one line saying which part."""
+    where = f"--sglang-config {path}"
+    models = data.get("sglang")
+    if not isinstance(models, list) or len(models) != 1 or not isinstance(models[0], dict):
+        raise ConfigError(f"{where}: slime-core runs one model's engines (the trained one); this file lists "
+                          f"{len(models) if isinstance(models, list) else 'no list of'} models under 'sglang'. Keep "
+                          "one entry, or give its ServerArgs as a flat mapping")
+    model = models[0]
+    if model.get("update_weights") is False or model.get("model_path") not in (None, config.hf_checkpoint):
+        raise ConfigError(f"{where}: model {model.get('name')!r} is not the trained policy (model_path or "
+                          "update_weights: false); slime-core's engines serve the policy only (a frozen model is a "
+                          "reward plugin's own server)")
+    groups = model.get("server_groups") or model.get("engine_groups") or []
+    kinds = sorted({g.get("worker_type") for g in groups} - {"regular"})
+    if not groups or kinds:
+        raise ConfigError(f"{where}: worker_type {', '.join(map(str, kinds)) or '(no server_groups)'} is not "
+                          "supported (no prefill/decode/encoder disaggregation or placeholder groups); use "
+                          "regular groups")
+    sizes = {g.get("num_gpus_per_engine") or model.get("num_gpus_per_engine") or config.rollout_num_gpus_per_engine
+             for g in groups}
+    overrides = [g.get("overrides") or {} for g in groups]
+    if len(sizes) != 1 or any(o != overrides[0] for o in overrides):
+        raise ConfigError(f"{where}: the server groups differ in num_gpus_per_engine or overrides; slime-core runs "
+                          "identical engines: give one group (or groups with the same settings)")
+    gpus = sum(int(g.get("num_gpus", 0)) for g in groups)
+    if sizes != {config.rollout_num_gpus_per_engine} or gpus != config.rollout_num_gpus:
+        raise ConfigError(f"{where}: its groups take {gpus} GPUs in engines of {sizes.pop()}, but --rollout-num-gpus "
+                          f"is {config.rollout_num_gpus} and --rollout-num-gpus-per-engine "
+                          f"{config.rollout_num_gpus_per_engine}; make them agree")
+    return {k: v for k, v in overrides[0].items() if k != "model_path"}
 
 
 def check_server_args(config) -> None:

@@ -142,7 +142,7 @@ def check_engines(expected: dict[str, str], urls: list[str], version: str, every
     and :func:`check_answers`; returns how many tensors were compared per engine."""
     from concurrent.futures import ThreadPoolExecutor
 
-    from slimecore.engines.router import http_json
+    from slimecore.http_client import http_json
 
     def ask(url: str):
         try:

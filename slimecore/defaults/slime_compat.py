@@ -17,7 +17,7 @@ table: each flag, its hook, what of slime's semantics it keeps and where it diff
 parser has its fate in ``slimecore.defaults.slime_flags`` (``docs/slime-flags.md``): the refused ones are declared
 here, so they parse as in slime and stop the run before Ray with one line; ``--advantage-estimator`` selects the
 algorithm plugin (``algorithm_plugin``), the ``--wandb-*`` ones become W&B's environment variables, and slime's
-server-group ``--sglang-config`` form is read by ``server_group_overrides``.
+server-group ``--sglang-config`` form is read by ``slimecore.sglang_schema.server_group_overrides``.
 """
 
 from __future__ import annotations
@@ -188,43 +188,6 @@ def estimator_argv(argv: list[str], declared: dict[str, list[Option]], name: str
     return argv
 
 
-def server_group_overrides(config, path, data: dict) -> dict:
-    """slime's ``--sglang-config`` form (``sglang: [{name, model_path, num_gpus_per_engine, update_weights,
-    server_groups: [{worker_type, num_gpus, num_gpus_per_engine, overrides}]}]``) as the engines' ServerArgs
-    overrides: read when it describes what slime-core runs (one model, the trained one, in regular groups that
-    share one engine size and one set of overrides, on --rollout-num-gpus devices); any other layout is refused
-    with one line saying which part."""
-    where = f"--sglang-config {path}"
-    models = data.get("sglang")
-    if not isinstance(models, list) or len(models) != 1 or not isinstance(models[0], dict):
-        raise ConfigError(f"{where}: slime-core runs one model's engines (the trained one); this file lists "
-                          f"{len(models) if isinstance(models, list) else 'no list of'} models under 'sglang'. Keep "
-                          "one entry, or give its ServerArgs as a flat mapping")
-    model = models[0]
-    if model.get("update_weights") is False or model.get("model_path") not in (None, config.hf_checkpoint):
-        raise ConfigError(f"{where}: model {model.get('name')!r} is not the trained policy (model_path or "
-                          "update_weights: false); slime-core's engines serve the policy only (a frozen model is a "
-                          "reward plugin's own server)")
-    groups = model.get("server_groups") or model.get("engine_groups") or []
-    kinds = sorted({g.get("worker_type") for g in groups} - {"regular"})
-    if not groups or kinds:
-        raise ConfigError(f"{where}: worker_type {', '.join(map(str, kinds)) or '(no server_groups)'} is not "
-                          "supported (no prefill/decode/encoder disaggregation or placeholder groups); use "
-                          "regular groups")
-    sizes = {g.get("num_gpus_per_engine") or model.get("num_gpus_per_engine") or config.rollout_num_gpus_per_engine
-             for g in groups}
-    overrides = [g.get("overrides") or {} for g in groups]
-    if len(sizes) != 1 or any(o != overrides[0] for o in overrides):
-        raise ConfigError(f"{where}: the server groups differ in num_gpus_per_engine or overrides; slime-core runs "
-                          "identical engines: give one group (or groups with the same settings)")
-    gpus = sum(int(g.get("num_gpus", 0)) for g in groups)
-    if sizes != {config.rollout_num_gpus_per_engine} or gpus != config.rollout_num_gpus:
-        raise ConfigError(f"{where}: its groups take {gpus} GPUs in engines of {sizes.pop()}, but --rollout-num-gpus "
-                          f"is {config.rollout_num_gpus} and --rollout-num-gpus-per-engine "
-                          f"{config.rollout_num_gpus_per_engine}; make them agree")
-    return {k: v for k, v in overrides[0].items() if k != "model_path"}
-
-
 # ---------------------------------------------------------------------------------------------
 # Loading functions, and slime's args
 # ---------------------------------------------------------------------------------------------
@@ -315,7 +278,8 @@ def slime_validate_config(config):
             raise ConfigError(refused_message("--" + flag.replace("_", "-"), _opt(config, flag)))
     for name, flag in REFUSED_FLAGS.items():
         value = _opt(config, name)
-        if value is not None and " ".join(value) not in SLIME_FLAGS[flag].accepted:
+        if value is not None and (" ".join(value) not in SLIME_FLAGS[flag].accepted
+                                  or (name == "allgather_cp" and config.context_parallel_size > 1)):
             raise ConfigError(refused_message(flag, value))
     loss_type, loss_path = _opt(config, "loss_type"), _opt(config, "custom_loss_function_path")
     if loss_type == "custom_loss" and not loss_path:

@@ -18,9 +18,9 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
+
+from slimecore.http_client import http_json, http_request  # noqa: F401 (importable from here too)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,31 +28,6 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
-
-
-def http_request(method: str, url: str, body: dict | None = None, timeout: float = 10,
-          api_key: str | None = None) -> tuple[int, bytes]:
-    """(status, body) of one request; HTTP errors are returned, connection errors raise OSError."""
-    data = json.dumps(body).encode() if body is not None else None
-    headers = {"Content-Type": "application/json"}
-    if api_key:
-        headers["Authorization"] = f"Bearer {api_key}"
-    request = urllib.request.Request(url, data=data, method=method, headers=headers)
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as exc:
-        return exc.code, exc.read()
-
-
-def http_json(method: str, url: str, body: dict | None = None, timeout: float = 60,
-              api_key: str | None = None) -> tuple[int, object]:
-    """(status, decoded JSON body, or its text when it is not JSON) of one request."""
-    status, raw = http_request(method, url, body, timeout, api_key)
-    try:
-        return status, json.loads(raw) if raw else None
-    except ValueError:
-        return status, raw.decode(errors="replace")
 
 
 def _probe(url: str) -> str:
