@@ -14,7 +14,7 @@ from rich.markup import escape
 from rich.table import Table
 
 import slimecore
-from slimecore.finalize import finalize
+from slimecore.startup import prepare, validate
 
 from slimecore.config import (CORE_BY_NAME, ConfigError, flag_text,
                               parse_config, prescan)
@@ -50,49 +50,23 @@ def train(ctx):
             return
         config, hooks, implied = train_config(loaded)
         _banner(config, hooks, implied)  # the first line within a second or two: the checks below take longer
-        hooks.check(skip_required=_not_needed(config))
-        from slimecore.defaults.reward import check_reward_sources  # here: the small commands need no aiohttp
-
-        check_reward_sources(hooks, config)
-        finalize(config, hooks)  # the model path, --num-rollout from --num-epoch, --train-iters
-        if config.megatron_args:
-            from transformers import AutoConfig
-
-            from slimecore.megatron_args import check_against_hf
-            from slimecore.trainers.megatron import find_bridge
-
-            hf_config = AutoConfig.from_pretrained(config.hf_checkpoint)
-            shape = (find_bridge(config, hooks, hf_config) if config.train_backend == "megatron"  # else: a bridge
-                     else hooks.slime_model_bridge(config=config, hf_config=hf_config))  # if a plugin answers
-            check_against_hf(config, hf_config, shape)
-        if config.train_backend == "megatron":
-            from slimecore.trainers.megatron import check_startup
-
-            check_startup(config, hooks)
+        logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # other libraries: warnings only
+        logging.getLogger("slimecore").setLevel(config.log_level.upper())
+        # every check before Ray, the same as slimecore.loop.run's (slimecore.startup): a bad input fails within
+        # seconds, before the loop's imports (Ray and the rest)
+        prepared = prepare(config, hooks)
     except (ConfigError, PluginError, FileNotFoundError, ValueError) as exc:
         _fail(exc)
-    hooks.slime_startup(config=config, process="driver")
     from slimecore.display import RunDisplay
-    from slimecore.preflight import check_before_ray
-    from slimecore.runs import create_run_dir
-    from slimecore.trainers.roles import declared_roles
-
-    logging.basicConfig(format="%(levelname)s %(name)s: %(message)s")  # other libraries: warnings only
-    logging.getLogger("slimecore").setLevel(config.log_level.upper())
-    try:  # before the loop's imports (Ray and the rest): a bad input fails within seconds
-        run_dir = create_run_dir(config)
-        roles = declared_roles(config, hooks)
-        tokenizer = check_before_ray(config, hooks, roles)
-    except (ConfigError, PluginError) as exc:
-        _fail(exc)
     from slimecore.loop import run
 
+    run_dir = prepared.run_dir
     console.print(f"run folder: {run_dir} (config.yaml replays this run: slime-core train --config "
                   f"{run_dir / 'config.yaml'})", highlight=False)
     display = RunDisplay(console, config.num_rollout, config.log_level)
     try:
         with display:
-            run(config, hooks, on_step=display.step, on_stage=display.stage, roles=roles, tokenizer=tokenizer)
+            run(config, hooks, on_step=display.step, on_stage=display.stage)
     except KeyboardInterrupt as exc:
         name = str(exc) or "SIGINT"
         console.print(f"[bold red]interrupted ({name}):[/] the step in flight was abandoned; engines, router and "
@@ -135,7 +109,7 @@ def train_config(loaded: tuple) -> tuple:
     argv, specs, hooks, declared = loaded
     implied = hooks.slime_implied_options()
     config = parse_config(argv, specs, declared, implied, hooks.slime_quickstart_options())
-    hooks.bind(config).slime_validate_config(config=config)
+    validate(config, hooks)
     return config, hooks, implied
 
 
@@ -161,13 +135,6 @@ def _normalized_plugin_args(argv: list[str]) -> list[str]:
         out.append(normalize_spec(arg) if take else arg)
         take = arg == "--plugin"
     return out
-
-
-def _not_needed(config) -> list[str]:
-    """Required hooks a debug mode never calls."""
-    if config.debug_rollout_only:
-        return ["slime_compute_advantages", "slime_loss"]
-    return []
 
 
 @cli.command()

@@ -25,15 +25,15 @@ import ray.util
 
 from slimecore import checkpoint, weight_updates
 from slimecore.config import Config
-from slimecore.finalize import finalize
 from slimecore.hf_checkpoint import ship_tokenizer
 from slimecore.plugins import Hooks
-from slimecore.preflight import check_before_ray, release_log_dir
+from slimecore.preflight import release_log_dir
 from slimecore.raytools import create_placement, init_ray, ray_get
 from slimecore.rollout.manager import RolloutManager
+from slimecore.startup import driver, prepare
 from slimecore.tracking import Tracker
 from slimecore.trainers.actor import RoleGroups
-from slimecore.trainers.roles import TrainRole, declared_roles
+from slimecore.trainers.roles import TrainRole
 from slimecore.weight_repush import REPUSH, WeightRepush
 
 log = logging.getLogger("slimecore.loop")
@@ -42,31 +42,29 @@ StageCallback = Callable[[str, int], None]  # (stage, rollout_id): start generat
 
 
 def run(config: Config, hooks: Hooks, on_step: StepCallback | None = None,
-        on_stage: StageCallback | None = None, roles: list[TrainRole] | None = None, tokenizer=None) -> list[dict]:
+        on_stage: StageCallback | None = None) -> list[dict]:
     """Run the whole job; returns the metrics of every step (also written to the run folder, ``--log-dir``).
-    ``roles``, ``tokenizer``: given by a caller that declared the roles and ran ``check_before_ray`` already
-    (the CLI does, before importing this module), the tokenizer being what it returned."""
-    finalize(config, hooks)
-    if roles is None:
-        roles = declared_roles(config, hooks)
-        tokenizer = check_before_ray(config, hooks, roles)
-    job = Job(config, hooks, roles, on_step, on_stage, tokenizer)
-    completed = interrupted = False
-    try:
-        job.sync_weights()  # engines start from the checkpoint on disk; make them serve the trainer's weights
-        if job.start == 0 and not config.skip_eval_before_train and (config.eval_prompt_data or config.eval_config):
-            job.tracker.log(job.evaluate(0), 0)
-        loop = rollout_only_loop if config.debug_rollout_only else async_loop if config.train_async else sync_loop
-        loop(job)
-        job.export()
-        completed = True
-    except KeyboardInterrupt:  # SIGINT, or SIGTERM through _interrupt
-        interrupted = True
-        if job.repush is not None and job.repush.error is not None:  # it interrupted the main thread
-            raise job.repush.error from None
-        raise
-    finally:
-        job.close(completed, interrupted)
+    ``slimecore.startup.prepare`` checks and completes the config first, as for ``slime-core train`` (which
+    prepares it before importing this module, so a bad input fails within seconds; its result is reused)."""
+    prepared = prepare(config, hooks)
+    with driver(config, hooks):  # the driver's slime_startup, and its slime_shutdown however the run ends
+        job = Job(config, hooks, prepared.roles, on_step, on_stage, prepared.tokenizer)
+        completed = interrupted = False
+        try:
+            job.sync_weights()  # engines start from the checkpoint on disk; make them serve the trainer's weights
+            if job.start == 0 and not config.skip_eval_before_train and (config.eval_prompt_data or config.eval_config):
+                job.tracker.log(job.evaluate(0), 0)
+            loop = rollout_only_loop if config.debug_rollout_only else async_loop if config.train_async else sync_loop
+            loop(job)
+            job.export()
+            completed = True
+        except KeyboardInterrupt:  # SIGINT, or SIGTERM through _interrupt
+            interrupted = True
+            if job.repush is not None and job.repush.error is not None:  # it interrupted the main thread
+                raise job.repush.error from None
+            raise
+        finally:
+            job.close(completed, interrupted)
     return job.history
 
 
@@ -221,7 +219,6 @@ class Job:
                 group.shutdown()
             ray_get(self.rollout.shutdown.remote(), "the rollout manager to shut down", self.wait)
         ray.util.remove_placement_group(self.pg)
-        self.hooks.slime_shutdown(config=self.config, process="driver")
         self.tracker.close(completed, self.final_model)
         release_log_dir(self.config.log_dir)
 

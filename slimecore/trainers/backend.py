@@ -109,12 +109,37 @@ class TrainBackend(Protocol):
         ...
 
 
+# --train-backend NAME -> "module:function" of the checks the driver makes before Ray for a run on that backend:
+# ``check_startup(config, hooks)``, returning the model's shape it found (a Megatron bridge) or None. The module is
+# imported only for a run on that backend, so the checks may stand beside its torch code; a backend whose ranks
+# check all they need has no entry (the fsdp driver imports no torch).
+STARTUP_CHECKS = {"megatron": "slimecore.trainers.megatron:check_startup"}
+
+
+def _load(target: str):
+    module, _, attr = target.partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
 def backend_class(name: str) -> type:
     """The backend class of ``--train-backend name``."""
     if name not in TRAIN_BACKENDS:
         raise ValueError(f"unknown training backend {name!r}; known: {', '.join(TRAIN_BACKENDS)}")
-    module, _, attr = TRAIN_BACKENDS[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
+    return _load(TRAIN_BACKENDS[name])
+
+
+def check_startup(config, hooks) -> None:
+    """Before Ray (``slimecore.startup.prepare``): the run's backend's own checks (``STARTUP_CHECKS``), then the
+    Megatron arguments given as flags against the checkpoint's ``config.json`` (through the shape those checks
+    found, where they found one)."""
+    target = STARTUP_CHECKS.get(config.train_backend)
+    shape = _load(target)(config, hooks) if target else None
+    if config.megatron_args:
+        from transformers import AutoConfig
+
+        from slimecore.megatron_args import check_against_hf
+
+        check_against_hf(config, AutoConfig.from_pretrained(config.hf_checkpoint), shape)
 
 
 def training_device() -> torch.device:

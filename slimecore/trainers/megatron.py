@@ -106,8 +106,9 @@ def check_config(config, world_size: int) -> None:
         raise MegatronSetupError("--recompute-granularity full needs --recompute-method uniform|block")
 
 
-def check_startup(config, hooks) -> None:
-    """Driver-side checks before Ray starts: options, and a bridge that can build this architecture."""
+def check_startup(config, hooks):
+    """Driver-side checks before Ray starts (``slimecore.trainers.backend.STARTUP_CHECKS``): options, the roles, and
+    a bridge that can build this architecture, which it returns."""
     from transformers import AutoConfig
 
     check_config(config, config.actor_num_nodes * config.actor_num_gpus_per_node)
@@ -118,7 +119,7 @@ def check_startup(config, hooks) -> None:
         raise MegatronSetupError(f"plugins ask for training role(s) {others} beside the actor (slime_train_roles); "
                                  "the megatron backend trains the actor only, and value models run on the fsdp "
                                  "backend only for now: use --train-backend fsdp")
-    find_bridge(config, hooks, AutoConfig.from_pretrained(config.hf_checkpoint))
+    return find_bridge(config, hooks, AutoConfig.from_pretrained(config.hf_checkpoint))
 
 
 # ---------------------------------------------------------------------------------------------------
