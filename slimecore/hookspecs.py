@@ -9,8 +9,10 @@ facade, which calls ``pm.hook.slime_xxx``):
 - *all*: every active plugin's implementation is called; results are collected in a list.
 - *one answer*: pluggy ``firstresult``; one active plugin answers. Built-in defaults are called last
   (``trylast``), so a non-default plugin's answer replaces the default's; two non-default plugins implementing
-  it is a start-up error. The answer must not be None: an implementation returning None passes the call on to
-  the next (the default), and None from every one, or from an awaited async answer, is an error.
+  it is a start-up error, except for a hook declared ``combined`` (``slime_reward``), whose answers from several
+  plugins the core combines (a weighted sum, ``slimecore.rollout.rewards``). The answer must not be None: an
+  implementation returning None passes the call on to the next (the default), and None from every one, or from an
+  awaited async answer, is an error.
 - *first answer*: pluggy ``firstresult``; implementations are tried in turn and the first non-None result
   wins (several plugins may coexist, each answering for the inputs it knows).
 A plugin may also wrap a hook (``@hookimpl(wrapper=True)``, a generator that yields to get the inner answer,

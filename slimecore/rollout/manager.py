@@ -180,9 +180,6 @@ class RolloutManager:
         return time.perf_counter() - start
 
     # -- one step --------------------------------------------------------------------------
-    def num_rollout_per_epoch(self) -> int:
-        return len(self.data_source) // self.config.rollout_batch_size
-
     def generate(self, rollout_id: int, dp_size: int):
         """Run the rollout for ``rollout_id``; return (per-DP-rank object refs or None, metrics)."""
         c = self.config

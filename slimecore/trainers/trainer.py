@@ -29,8 +29,8 @@ TENSOR_KEYS = ("loss_masks", "rollout_log_probs", "values", "returns")
 class Trainer:
     """One data-parallel rank of one training role on the backend ``backend`` (default ``--train-backend``).
 
-    ``hooks`` exposes ``train_inputs``, ``compute_advantages``, ``rollout_data_postprocess`` and ``loss``
-    (keyword arguments only), as ``slimecore.plugins.Hooks`` does. ``options`` go to the backend's
+    ``hooks`` is the run's ``slimecore.plugins.Hooks``: the step calls its ``slime_train_inputs``,
+    ``slime_compute_advantages``, ``slime_rollout_data_postprocess`` and ``slime_loss`` (keyword arguments only). ``options`` go to the backend's
     constructor (the fsdp backend's ``shard`` and ``process_group``). The role's declaration
     (``slimecore.trainers.roles``) says whether it is a value model and which of its own options (``lr``,
     ``hf_checkpoint`` ...) it trains with.
