@@ -807,12 +807,29 @@ def validate_core(config: Config) -> None:
     for name in ("save_interval", "save_hf", "keep_last_n"):
         if getattr(c, name) and not c.save:
             raise ConfigError(f"{CORE_BY_NAME[name].flag} needs --save DIR")
+    if c.ref_load:
+        check_ref_load(c)
     if c.keep_last_n is not None and c.keep_last_n < 1:
         raise ConfigError(f"--keep-last-n must be >= 1, got {c.keep_last_n}")
     if c.max_logprob_mismatch is not None and not c.max_logprob_mismatch > 0:
         raise ConfigError(f"--max-logprob-mismatch must be > 0 (a mean |log-prob| difference), got "
                           f"{c.max_logprob_mismatch}; leave it out to turn the stop off")
     validate_engines(c)
+
+
+def check_ref_load(c: Config) -> None:
+    """``--ref-load`` names a checkpoint the backend reads: an HF directory, or on megatron also a torch_dist one."""
+    path = Path(c.ref_load)
+    hf, torch_dist = (path / "config.json").is_file(), (path / "megatron_checkpoint.json").is_file()
+    if c.use_lora:
+        raise ConfigError("--ref-load with --use-lora: the LoRA reference is the --hf-checkpoint model with the "
+                          "adapters off; drop one of them")
+    if not (hf or (torch_dist and c.train_backend == "megatron")):
+        raise ConfigError(f"--ref-load {path}: " + ("a torch_dist checkpoint, which --train-backend fsdp cannot read; "
+                          "convert it with `slime-core convert megatron-to-hf`, or use --train-backend megatron"
+                          if torch_dist else "not an HF checkpoint directory (no config.json)"
+                          + (" nor a torch_dist one (no megatron_checkpoint.json)" if c.train_backend == "megatron"
+                             else "")))
 
 
 def validate_engines(c: Config) -> None:

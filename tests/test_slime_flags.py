@@ -6,8 +6,10 @@ refuses it before Ray with one line naming the flag and what to use instead. ``d
 from __future__ import annotations
 
 import functools
+import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -40,7 +42,7 @@ VALUES = {
     "--custom-advantage-function-path": M + "advantages", "--custom-loss-function-path": M + "custom_loss",
     "--custom-megatron-init-path": M + "init", "--load-debug-rollout-data": "dump/{rollout_id}.pt",
     "--save-debug-rollout-data": "dump/{rollout_id}.pt", "--save-hf": "hf/{rollout_id}",
-    "--sglang-config": "sglang.yaml", "--rm-type": "math", "--eps-clip-c": "3",
+    "--sglang-config": "sglang.yaml", "--rm-type": "math", "--eps-clip-c": "3", "--ref-load": "ref",
 }
 # flags that need another one to mean anything (slime asserts the same pairs)
 CONTEXT = {
@@ -112,6 +114,8 @@ def user_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("slime-flags")
     (path / "my_slime_functions.py").write_text((FUNCTIONS / "my_slime_functions.py").read_text())
     (path / "x").write_text("call_log: calls.jsonl\n")  # --custom-config-path / --eval-config "x"
+    (path / "ref").mkdir()
+    (path / "ref" / "config.json").write_text("{}")  # an HF directory for --ref-load (read by the trainers)
     (path / "sglang.yaml").write_text("sglang:\n  - name: actor\n    server_groups:\n      - worker_type: regular\n"
                                       "        num_gpus: 1\n        overrides: {mem_fraction_static: 0.7}\n")
     return path
@@ -270,3 +274,68 @@ def test_balance_data_evens_out_the_ranks_tokens():
         tokens[balance] = sorted(sum(lengths[i] for mb in mbs for i in mb) for mbs in step.rank_micro_batches)
     assert tokens == {False: [10, 18], True: [11, 17]}
     assert _parse(BASE + ["--balance-data"]).balance_data is True
+
+
+@pytest.fixture(scope="module")
+def two_tiny_qwen3(tmp_path_factory):
+    """Two tiny Qwen3 checkpoints of one shape and different weights: the policy's and --ref-load's."""
+    from slimecore.testing.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("ref-load")
+    return make_tiny_checkpoint(root / "policy", "qwen3", seed=0), make_tiny_checkpoint(root / "ref", "qwen3", seed=1)
+
+
+def test_ref_load_is_the_reference_and_the_start_on_fsdp(two_tiny_qwen3):
+    """As in slime: --ref-load's weights are the reference policy, and the policy starts from them (the engines get
+    them at the first sync); after the policy moves, the reference forward still sees --ref-load's weights."""
+    import torch
+    from safetensors.torch import load_file
+
+    from slimecore.config import Config
+    from slimecore.trainers.fsdp import FSDPBackend
+
+    policy, reference = two_tiny_qwen3
+    expected = load_file(str(reference / "model.safetensors"))
+    backend = FSDPBackend(Config.make(hf_checkpoint=str(policy), ref_load=str(reference)), keep_reference=True)
+    params = dict(backend.model.named_parameters())
+    assert all(torch.equal(params[k], v) for k, v in expected.items() if k in params)
+    with torch.no_grad():
+        for p in params.values():
+            p.add_(1.0)
+        with backend.reference_weights():
+            assert all(torch.equal(params[k], v) for k, v in expected.items() if k in params)
+    assert all(torch.equal(params[k], v + 1.0) for k, v in expected.items() if k in params)
+
+
+@pytest.mark.parametrize("backend,message", [
+    ("fsdp", "--ref-load {}: not an HF checkpoint directory (no config.json)"),
+    ("megatron", "--ref-load {}: not an HF checkpoint directory (no config.json) nor a torch_dist one"),
+])
+def test_ref_load_that_the_backend_cannot_read_is_refused_before_ray(backend, message, tmp_path, workdir):
+    with pytest.raises(ConfigError, match=re.escape(message.format(tmp_path))):
+        _parse(BASE + ["--train-backend", backend, "--ref-load", str(tmp_path)])
+    (tmp_path / "megatron_checkpoint.json").write_text("{}")
+    with pytest.raises(ConfigError, match="a torch_dist checkpoint, which --train-backend fsdp cannot read"):
+        _parse(BASE + ["--ref-load", str(tmp_path)])
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("megatron.core", "mbridge", "slime_models")),
+                    reason="needs megatron-core, mbridge and the models plugin")
+def test_ref_load_on_megatron_from_hf_and_torch_dist(two_tiny_qwen3, tmp_path):
+    import ref_load_checks
+
+    from slimecore.testing.distributed import run_ranks
+
+    policy, reference = two_tiny_qwen3
+    [r] = run_ranks(ref_load_checks.megatron_ref_load, str(policy), str(reference), str(tmp_path / "ref_dist"),
+                    world=1, timeout=300)
+    for source in ("hf", "torch_dist"):
+        assert r[source]["start_vs_ref_load"] == 0 and r[source]["reference_vs_ref_load"] == 0, r
+        assert r[source]["start_vs_hf_checkpoint"] > 0.01, r  # the two checkpoints differ
+
+
+def test_allgather_cp_is_refused_only_with_context_parallelism(workdir):
+    assert _parse(BASE + ["--allgather-cp"]).context_parallel_size == 1  # glm5's model files: nothing to gather
+    with pytest.raises(ConfigError, match="^--allgather-cp is not supported by slime-core: with "
+                                          "--context-parallel-size > 1"):
+        _parse(BASE + ["--allgather-cp", "--context-parallel-size", "2"])

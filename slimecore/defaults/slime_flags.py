@@ -63,10 +63,10 @@ SLIME_FLAGS: dict[str, Fate] = {
     **_same("no-save-optim", text="a switch named no_save_optim: --no-save-optim turns it on"),
     **_same("save-hf", text="PATH, may hold {rollout_id}: every --save checkpoint is also written there as an HF "
             "model"),
-    **_same("ref-load", text="the reference policy (KL, reference log-probs) is loaded from PATH (an HF directory; "
-            "on --train-backend megatron also a torch_dist checkpoint) instead of the policy's initial weights; "
-            "the policy itself starts from --hf-checkpoint (slime also starts it from --ref-load when --load holds "
-            "no checkpoint)"),
+    **_same("ref-load", text="as in slime, the reference policy (KL, reference log-probs) and, unless --load "
+            "resumes a checkpoint, the policy's starting weights are read from PATH (the engines get them at the "
+            "first weight sync): an HF directory, or on --train-backend megatron also a torch_dist checkpoint "
+            "(`slime-core convert hf-to-megatron`, or a megatron save's iter_N/actor)"),
     **_same("balance-data", text="micro-batches are dealt to the data-parallel ranks by a greedy token balance "
             "(largest first to the least loaded rank) instead of round-robin"),
     **_same("sglang-router-ip sglang-router-port", text="an external sglang-router: slime-core starts none, "
@@ -118,8 +118,10 @@ SLIME_FLAGS: dict[str, Fate] = {
 
 _DROP = "drop the flag"
 SLIME_FLAGS.update({
-    **_refused("context parallelism gathers nothing here: the megatron backend splits each sequence itself",
-               "--context-parallel-size alone", "--allgather-cp"),
+    **_refused("with --context-parallel-size > 1 the megatron backend splits each sequence its own way, with no "
+               "all-gather variant (without context parallelism the flag changes nothing, in slime either, and is "
+               "accepted: slime's glm5 model files set it)", "--context-parallel-size alone", "--allgather-cp",
+               accepted=("",)),
     **_refused("checkpoints are written synchronously (the marker last, so a checkpoint is complete or skipped)",
                _DROP, "--async-save"),
     **_refused("micro-batches are packed by tokens, not by estimated FLOPs",

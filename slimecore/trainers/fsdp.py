@@ -183,6 +183,11 @@ class FSDPBackend:
 
             share_weights(self.model)
             self.shared_files.append(shared_file(next(iter(self.model.state_dict().values()))))
+        if config.ref_load and not self.is_value:  # slime's --ref-load: the reference, and the start unless --load
+            from transformers import AutoModelForCausalLM
+
+            self._load_state(AutoModelForCausalLM.from_pretrained(config.ref_load, dtype=torch.float32).state_dict(),
+                             f"--ref-load {config.ref_load}")
         # Taken before any load(), so the reference is the initial checkpoint; each rank keeps its own shards.
         self._reference = None
         if keep_reference and not config.use_lora:  # LoRA's reference is the model with its adapters disabled

@@ -54,8 +54,9 @@ import torch.distributed as dist
 from slimecore.megatron_args import megatron_overrides
 from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
                                         save_rng, training_device)
-from slimecore.trainers.megatron_model import (BridgedModel, MegatronSetupError, check_shape, find_bridge,
-                                               init_parallel, read_checkpoint_meta, write_checkpoint_meta)
+from slimecore.trainers.megatron_model import (CHECKPOINT_META, BridgedModel, MegatronSetupError, check_shape,
+                                               find_bridge, init_parallel, read_checkpoint_meta, shape_dict,
+                                               write_checkpoint_meta)
 
 log = logging.getLogger("slimecore.megatron")
 
@@ -232,6 +233,8 @@ class MegatronBackend:
         # the weight export gathers over TP/PP/EP: every rank of those groups must take part
         self.collective_export = (parallel_state.get_model_parallel_group().size() > 1
                                   or config.expert_model_parallel_size > 1)
+        if config.ref_load:  # slime's --ref-load: the reference policy, and the starting weights unless --load resumes
+            self._load_reference_checkpoint(hooks, Path(config.ref_load))
         self._reference = ReferenceCopy(self.modules.named_parameters()) if keep_reference else None
         passed = {"optimizer": "adam", **megatron_overrides(config, "optimizer")}  # e.g. --optimizer sgd
         optimizer_config = OptimizerConfig(
@@ -246,6 +249,19 @@ class MegatronBackend:
         model_config.grad_scale_func = self.optimizer.scale_loss
         self.lr_factor = lr_lambda(config)
         self.iteration = 0  # optimizer steps taken (the LR schedule's position)
+
+    def _load_reference_checkpoint(self, hooks, path: Path) -> None:
+        """``--ref-load``: a torch_dist checkpoint of this model (``megatron_checkpoint.json``: a megatron save's
+        role folder, or ``slime-core convert hf-to-megatron``), or an HF directory of the same shape."""
+        if (path / CHECKPOINT_META).is_file():
+            check_shape(read_checkpoint_meta(path), self.model.bridge, f"--ref-load {path}")
+            self.model.load_torch_dist(path)
+            return
+        from transformers import AutoConfig
+
+        check_shape({"shape": shape_dict(find_bridge(self.config, hooks, AutoConfig.from_pretrained(path)))},
+                    self.model.bridge, f"--ref-load {path}")
+        self.model.runtime.load_hf_weights(self.chunks, str(path))
 
     # -- forward and backward --------------------------------------------------------------------
     def _pack(self, tokens, response_lengths) -> Packed:
