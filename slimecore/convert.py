@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from slimecore.config import Config, ConfigError
+from slimecore.errors import ConvertError
 from slimecore.hf_checkpoint import read_safetensors_shapes, weights_mismatch
 from slimecore.trainers.megatron_model import (BridgedModel, check_shape, find_bridge, init_parallel,
                                                read_checkpoint_meta, write_checkpoint_meta)
@@ -45,10 +46,6 @@ STRUCTURAL_FLAGS = {"--normalization": 1, "--swiglu": 0, "--position-embedding-t
                     "--moe-router-dtype": 1, "--moe-router-pre-softmax": 0, "--moe-router-bias-update-rate": 1,
                     "--attention-dropout": 1, "--hidden-dropout": 1, "--attention-backend": 1, "--no-rope-fusion": 0,
                     "--rotary-seq-len-interpolation-factor": 1}
-
-
-class ConvertError(ConfigError):
-    """The checkpoint, the HF config and the expected shape disagree; the message lists every difference."""
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -18,6 +18,26 @@ class ConfigError(ValueError):
     ``slimecore.config.ConfigError`` is this class."""
 
 
+class DataError(ValueError):
+    """A prompt file that cannot be used as it is; the message names the file, line and key, and the fix.
+    ``slimecore.data.dataset.DataError`` is this class."""
+
+
+class CheckpointError(FileNotFoundError):
+    """A checkpoint that is missing or incomplete; the message names the path, what is missing and the fix.
+    ``slimecore.hf_checkpoint.CheckpointError`` is this class."""
+
+
+class ConvertError(ConfigError):
+    """The checkpoint, the HF config and the expected shape disagree; the message lists every difference.
+    ``slimecore.convert.ConvertError`` is this class."""
+
+
+class FilterStarvedError(RuntimeError):
+    """Group filters dropped groups for ``--max-filter-rounds`` over-sampling rounds without filling a step.
+    ``slimecore.defaults.rollout.FilterStarvedError`` is this class."""
+
+
 class PluginError(RuntimeError):
     """A plugin could not be found, loaded, checked or called. The message says what to do.
     ``slimecore.plugins.PluginError`` is this class."""

@@ -27,6 +27,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+from slimecore.errors import CheckpointError
+
 log = logging.getLogger("slimecore.hf_checkpoint")
 
 DEFAULT_NAME = "smollm2-135m-instruct"
@@ -37,10 +39,6 @@ STAMP = "slimecore-conversion.json"
 CONVERSION_FORMAT = 2
 _WEIGHTS = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 _TOKENIZER = ("tokenizer.json", "tokenizer_config.json")
-
-
-class CheckpointError(FileNotFoundError):
-    """A checkpoint that is missing or incomplete; the message names the path, what is missing and the fix."""
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:

@@ -16,16 +16,14 @@ import logging
 import re
 from pathlib import Path
 
+from slimecore.errors import DataError
+
 log = logging.getLogger("slimecore.data")
 
 # Only a trailing "@[...]" is a slice, so paths that contain "@" elsewhere still work.
 _SLICE_SUFFIX = re.compile(r"^(?P<path>.+)@\[(?P<inside>[^\]]*)\]$")
 _SLICE_INSIDE = re.compile(r"^\s*(?P<start>-?\d*)\s*:\s*(?P<end>-?\d*)\s*$")
 SUFFIXES = (".jsonl", ".parquet")
-
-
-class DataError(ValueError):
-    """A prompt file that cannot be used as it is; the message names the file, line and key, and the fix."""
 
 
 def parse_spec(spec: str) -> tuple[Path, slice]:

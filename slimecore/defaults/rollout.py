@@ -25,6 +25,7 @@ import collections
 import math
 
 from slimecore import hookimpl
+from slimecore.errors import FilterStarvedError
 from slimecore.rollout.fully_async import fully_async_step, stop_workers
 from slimecore.rollout.groups import GroupRunner, concurrency, warn_if_starving
 from slimecore.types import FilterResult, RolloutOutput, Sample, Status
@@ -93,10 +94,6 @@ def slime_filter_group(config, samples: list[Sample]):
         return FilterResult(True)
     return FilterResult(False, reason=f"zero_std_{round(mean, 1)}",
                         keep_when_insufficient=config.dynamic_sampling_filter == "nonzero_std_with_fallback")
-
-
-class FilterStarvedError(RuntimeError):
-    """Group filters dropped groups for ``--max-filter-rounds`` over-sampling rounds without filling a step."""
 
 
 def _starved(rollout_id: int, rounds: int, accepted: int, target: int, by_filter: collections.Counter):
