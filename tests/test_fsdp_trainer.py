@@ -193,6 +193,35 @@ def test_chunking_is_invisible_to_the_loss_and_gradients(tiny_checkpoint, monkey
         assert chunked[key] == pytest.approx(padded[key], abs=tol)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("lora", [False, True])
+def test_chunked_lm_head_gives_the_model_heads_log_probs_loss_and_gradients(tiny_checkpoint, device, lora):
+    """The response log-probs through the decoder and the chunked head (``ops.linear_logprobs``, the CUDA
+    default) equal those of the model's own head, and so do a training step's loss and gradients."""
+    config = _config(tiny_checkpoint, calculate_per_token_loss=True, **({"use_lora": True, "lora_rank": 4,
+                                                                          "lora_alpha": 8} if lora else {}))
+    data = _with_lengths(_data(), MIXED_LENGTHS)
+    results = []
+    for chunk in (0, 5):  # the model's head; chunks of 5 response rows
+        trainer, _ = _trainer(config, device=device)
+        trainer.backend.head_chunk = chunk
+        if chunk:
+            assert trainer.backend._plain_head() is not None
+        torch.manual_seed(0)
+        with fp32_strict():
+            metrics = trainer.train(0, _part(data))
+            with torch.no_grad():
+                outputs = trainer.backend._forward(data["tokens"], data["response_lengths"], 0.7, True)
+        results.append((metrics, _flat_grads(trainer), outputs))
+    (m0, g0, o0), (m1, g1, o1) = results
+    tol = tolerance(device)
+    assert g0.abs().max().item() > 0 and (g1 - g0).abs().max().item() < tol
+    for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm"):
+        assert m1[key] == pytest.approx(m0[key], abs=tol), key
+    for key in ("log_probs", "entropy"):
+        assert max((a - b).abs().max().item() for a, b in zip(o1[key], o0[key])) < tol, key
+
+
 def test_sample_mean_loss_value_by_hand(tiny_checkpoint):
     """At the old policy the ratio is 1, so pg_loss = -(1/B) sum_i A_i * (mask tokens of i) / D_i."""
     data = _data()

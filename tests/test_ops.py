@@ -6,8 +6,9 @@ import math
 import pytest
 import torch
 
-from slimecore.ops import (approx_kl, entropy_from_logits, log_probs_and_entropy, log_probs_from_logits,
-                           make_sample_mean_reducer, make_token_mean_reducer, masked_mean, masked_sum, masked_whiten,
+from devices import DEVICES, fp32_strict, tolerance
+from slimecore.ops import (approx_kl, entropy_from_logits, linear_log_probs_and_entropy, log_probs_and_entropy,
+                           log_probs_from_logits, make_sample_mean_reducer, make_token_mean_reducer, masked_mean, masked_sum, masked_whiten,
                            per_sample_response_log_probs)
 
 # -- KL estimators ---------------------------------------------------------------------------------
@@ -137,3 +138,61 @@ def test_token_mean_reducer():
     assert make_token_mean_reducer(masks, 2)(x).item() == 1.5
     assert make_token_mean_reducer(masks, 4)(x).item() == 0.75  # N is the step's tokens, not the micro-batch's
     assert make_token_mean_reducer([], 0)([]).item() == 0.0
+
+
+# -- the LM head and log-probs in chunks, logits recomputed in backward -------------------------------------
+
+
+def _head_case(device, n=37, hidden=16, vocab=50, bias=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=g).to(device).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.3).to(device).requires_grad_()
+    b = (torch.randn(vocab, generator=g) * 0.1).to(device).requires_grad_() if bias else None
+    targets = torch.randint(0, vocab, (n,), generator=g).to(device)
+    weights = torch.randn(2, n, generator=g).to(device)  # a loss mixing log-probs and entropies
+    return h, w, b, targets, weights
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss, [t for t in tensors if t is not None])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("with_entropy, bias, chunk", [(True, True, 8), (True, False, 100), (False, True, 5)])
+def test_chunked_head_log_probs_equal_the_full_logits_path(device, with_entropy, bias, chunk):
+    """Values and gradients (hidden states, head weight and bias) equal those of the whole (N, V) logits through
+    ``log_probs_and_entropy``, whatever the chunking: fp32 1e-6 on the CPU (1e-5 on CUDA, TF32 off), relative to
+    the largest entry of a tensor when that is above 1 (the head's gradient sums N rows in another order: a few
+    ulps of values near 7)."""
+    h, w, b, targets, weights = _head_case(device, bias=bias)
+    with fp32_strict():
+        lp, ent = log_probs_and_entropy(torch.nn.functional.linear(h, w, b), targets, 0.7, with_entropy)
+        loss = (weights[0] * lp).sum() + ((weights[1] * ent).sum() if with_entropy else 0)
+        want = _grads(loss, (h, w, b))
+        got_lp, got_ent = linear_log_probs_and_entropy(h, w, targets, 0.7, with_entropy, bias=b, chunk_size=chunk)
+        got_loss = (weights[0] * got_lp).sum() + ((weights[1] * got_ent).sum() if with_entropy else 0)
+        got = _grads(got_loss, (h, w, b))
+    tol = tolerance(device)
+    assert got_lp.dtype == torch.float32 and (got_lp - lp).abs().max().item() < tol
+    assert (got_ent is None) == (not with_entropy)
+    if with_entropy:
+        assert (got_ent - ent).abs().max().item() < tol
+    assert len(got) == len(want) == (3 if bias else 2)
+    for g, ref in zip(got, want):
+        assert g.shape == ref.shape and g.abs().max().item() > 0
+        assert (g - ref).abs().max().item() < tol * max(1.0, ref.abs().max().item())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_chunked_head_under_bf16_autocast_matches_the_autocast_logits(device):
+    """Under autocast the head's matmuls run in bf16 as the model's own head would; the softmax stays fp32."""
+    h, w, b, targets, _ = _head_case(device, bias=False)
+    with torch.autocast(device, dtype=torch.bfloat16):
+        lp, ent = log_probs_and_entropy(torch.nn.functional.linear(h, w), targets, 1.0)
+        got_lp, got_ent = linear_log_probs_and_entropy(h, w, targets, 1.0, chunk_size=7)
+    assert got_lp.dtype == torch.float32
+    assert (got_lp - lp).abs().max().item() < 1e-5 and (got_ent - ent).abs().max().item() < 1e-5
+    grads = _grads(got_lp.sum() + got_ent.sum(), (h, w))
+    assert grads[0].dtype == grads[1].dtype == torch.float32  # the leaves' dtype, as autograd gives
+    with pytest.raises(ValueError, match="--rollout-temperature"):
+        linear_log_probs_and_entropy(h, w, targets, 0.0)

@@ -10,6 +10,7 @@ _WHERE = {
     "KL_TYPES": "kl", "approx_kl": "kl",
     "entropy_from_logits": "logprobs", "log_probs_and_entropy": "logprobs", "log_probs_from_logits": "logprobs",
     "per_sample_response_log_probs": "logprobs", "response_positions": "logprobs",
+    "linear_log_probs_and_entropy": "linear_logprobs",
     "distributed_masked_whiten": "masked", "masked_mean": "masked", "masked_sum": "masked", "masked_whiten": "masked",
     "clipped_surrogate": "ppo_clip", "policy_loss": "ppo_clip",
     "Reducer": "reducers", "make_sample_mean_reducer": "reducers", "make_token_mean_reducer": "reducers",

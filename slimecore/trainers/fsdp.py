@@ -20,6 +20,13 @@ the same forwards. Sample i's response log-probs are logits rows ``[prompt_len -
 ``[prompt_len, len)``. Dropout is switched off at load (as slime's scripts do), so the training forward equals
 the old-policy forward.
 
+LM head. On CUDA the decoder's hidden states of the response positions go through the head, log-softmax,
+log-prob and entropy in chunks of ``CHUNK_TOKENS`` positions, the chunk's logits recomputed in backward
+(``slimecore.ops.linear_logprobs``): the fp32 logits of every response token (tokens x vocabulary x 4 bytes,
+10 GB for 16k tokens of Qwen2.5) never exist at once. Only for the plain-head architectures
+(``PLAIN_HEAD_MODEL_TYPES``), unsharded, without a LoRA head. On the CPU the model's own head runs on the kept
+positions (``logits_to_keep``): the recompute would cost time there, and memory is not what limits it.
+
 Precision. Weights and optimizer state stay fp32; ``--bf16`` runs the forward in bf16 (autocast, or FSDP2's
 ``MixedPrecisionPolicy`` with fp32 gradient reduction). Pure-bf16 weights would lose small Adam updates.
 Log-prob and entropy math is always fp32 (``slimecore.ops``).
@@ -46,6 +53,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from slimecore.ops.linear_logprobs import CHUNK_TOKENS, linear_log_probs_and_entropy
 from slimecore.ops.logprobs import log_probs_and_entropy
 from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
                                         save_rng, training_device)
@@ -58,6 +66,9 @@ FORWARD_COST_TOKENS = 64  # what one more forward (and its backward) costs, in p
 # model is worth many tokens (a token costs ~6 x parameters FLOPs; ~1.6e11 FLOP/s measured on two CPU cores; the
 # CUDA figure is an assumed order of magnitude for a recent GPU, not measured here)
 FORWARD_OVERHEAD_S, DEVICE_FLOPS = 2e-3, {"cpu": 1.6e11, "cuda": 2e14}
+# Causal LMs whose forward is ``lm_head(decoder(...).last_hidden_state)`` with nothing after the head (no logit
+# scaling or soft-capping): their response log-probs can take the chunked head (``ops.linear_logprobs``).
+PLAIN_HEAD_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
 
 
 def forward_cost_tokens(num_params: int, device: str) -> int:
@@ -193,6 +204,8 @@ class FSDPBackend:
         if keep_reference and not config.use_lora:  # LoRA's reference is the model with its adapters disabled
             self._reference = ReferenceCopy((name, _local(p)) for name, p in self.model.named_parameters())
         self.params = [p for p in self.model.parameters() if p.requires_grad]
+        # response rows per chunk of the fused head (0: the model's own head; see the module docstring)
+        self.head_chunk = CHUNK_TOKENS if self.device.type == "cuda" else 0
         self.forward_cost = forward_cost_tokens(sum(p.numel() for p in self.model.parameters()), self.device.type)
         # torch's fused AdamW kernel (fp32 parameters, plain or DTensor shards, on CPU or CUDA: the training
         # devices): one pass over each tensor instead of the default's chain of elementwise ops
@@ -270,14 +283,33 @@ class FSDPBackend:
                 out = self.model(input_ids=ids.to(self.device), attention_mask=mask)
             values = out.logits[rows_b.to(self.device), rows_t.to(self.device), 0].float()  # (N,)
             return {"values": list(values.split(split))}
+        targets = ids[rows_b, rows_t + 1].to(self.device)  # (N,)
+        head = self._plain_head() if self.head_chunk else None
+        if head is not None:
+            decoder, lm_head = head
+            with self._autocast():
+                hidden = decoder(input_ids=ids.to(self.device), attention_mask=mask).last_hidden_state  # (B, T, H)
+                log_probs, entropy = linear_log_probs_and_entropy(
+                    hidden[rows_b.to(self.device), rows_t.to(self.device)], lm_head.weight, targets, temperature,
+                    with_entropy, bias=lm_head.bias, chunk_size=self.head_chunk)
+            return {"log_probs": list(log_probs.split(split)),
+                    "entropy": list(entropy.split(split)) if with_entropy else None}
         keep, column = torch.unique(rows_t, return_inverse=True)  # (K,), (N,)
         with self._autocast():
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask, logits_to_keep=keep.to(self.device))
         rows = out.logits[rows_b.to(self.device), column.to(self.device)]  # (N, V)
-        targets = ids[rows_b, rows_t + 1].to(self.device)  # (N,)
         log_probs, entropy = log_probs_and_entropy(rows, targets, temperature, with_entropy)
         return {"log_probs": list(log_probs.split(split)),
                 "entropy": list(entropy.split(split)) if with_entropy else None}
+
+    def _plain_head(self) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
+        """The decoder and the ``nn.Linear`` head of a plain-head causal LM, unsharded (FSDP2 gathers the root's
+        parameters in the root's forward, which this would bypass); None otherwise."""
+        base = self.model.get_base_model() if self.config.use_lora else self.model
+        if self.sharded or getattr(base.config, "model_type", None) not in PLAIN_HEAD_MODEL_TYPES:
+            return None
+        head = base.get_output_embeddings()
+        return (base.get_decoder(), head) if type(head) is torch.nn.Linear else None
 
     def _empty_forward(self) -> torch.Tensor:
         """A rank with an empty micro-batch still runs a forward (and backward) of one token with zero
