@@ -13,6 +13,7 @@ import pytest
 
 from slimecore.config import ConfigError, parse_config
 from slimecore.plugins import PluginError, installed_entry_points
+from slimecore_cli.help import train_help
 from slimecore_cli.main import cli, train_plugins
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,9 +70,10 @@ def parse(command: str, inline: bool) -> None:
     a required option."""
     argv = [arg for arg in shlex.split(command)[1:] if arg != "..."]
     if argv[0] == "train":
-        if "--help" in argv or "-h" in argv:
-            return  # the help path takes any plugin list: checked by test_cli_output
         argv, specs, hooks, declared = train_plugins(argv[1:])
+        if {"--help", "-h", "--help-all"} & set(argv):
+            train_help(hooks, declared, every="--help-all" in argv)
+            return
         parse_config(argv, specs, declared, hooks.slime_implied_options(), hooks.slime_quickstart_options())
         return
     ctx = cli.make_context("slime-core", argv, resilient_parsing=inline)
