@@ -91,7 +91,7 @@ def main() -> None:
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0", "HF_HUB_OFFLINE": "1",
            "TRANSFORMERS_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": "1", "COLUMNS": "80"}
     scratch = Path(tempfile.mkdtemp(prefix="cli-latency-"))
-    env["SLIMECORE_CACHE_DIR"] = str(scratch / "cache")  # the plugin listing's cache, cold for the first run
+    env["SLIMECORE_CACHE"] = str(scratch / "cache")  # the plugin listing's cache, cold for the first run
     results = {"plugins (cold cache: every plugin imported)": summarize([run(CLI + ["plugins"], scratch, env)])}
     for name, argv in COMMANDS.items():
         results[name] = summarize([run(CLI + argv, scratch, env) for _ in range(args.repeats)])

@@ -19,9 +19,10 @@ from slimecore.plugins import DEFAULT_PLUGINS, PluginError, installed_entry_poin
 
 
 def cache_file() -> Path:
-    """``$SLIMECORE_CACHE_DIR/plugins.json`` (default: ``$XDG_CACHE_HOME/slime-core``, ``~/.cache/slime-core``)."""
-    root = os.environ.get("SLIMECORE_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "slime-core"
-    return Path(root).expanduser() / "plugins.json"
+    """``$SLIMECORE_CACHE/plugins.json`` (default ``~/.cache/slimecore``, beside the converted default model)."""
+    from slimecore.hf_checkpoint import cache_root
+
+    return cache_root() / "plugins.json"
 
 
 def module_file(module: str) -> Path | None:

@@ -78,7 +78,7 @@ def test_plugins_listing_is_cached_by_distribution_and_file(tmp_path):
 
     def listing():
         proc = subprocess.run([sys.executable, "-c", env_code], capture_output=True, text=True, timeout=300,
-                              env={**__import__("os").environ, "SLIMECORE_CACHE_DIR": str(tmp_path),
+                              env={**__import__("os").environ, "SLIMECORE_CACHE": str(tmp_path),
                                    "SLIMECORE_LOAD_PLUGINS": "grpo"})
         assert proc.returncode == 0, proc.stderr[-3000:]
         return json.loads(proc.stdout)
