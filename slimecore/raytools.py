@@ -53,10 +53,13 @@ def init_ray(config: Config) -> None:
                  {k: v for k, v in ray.cluster_resources().items() if not k.startswith("node:")})
         return
     # a local instance's processes inherit this environment, so no runtime env: with one, Ray starts every worker
-    # afresh for the job instead of using the ones it prestarted (the first actors ran ~0.8 s later here)
+    # afresh for the job instead of using the ones it prestarted (the first actors ran ~0.8 s later here).
+    # address="local": a new instance even where `ray start` left a cluster running on this machine, which a bare
+    # ray.init() would join (and then refuse num_cpus); joining one takes --ray-address or RAY_ADDRESS
     log.info("starting a local Ray instance (%d CPUs)", local_cpus())
     started = time.perf_counter()
-    ray.init(num_cpus=local_cpus(), include_dashboard=False, log_to_driver=True, logging_level=ray_log_level,
+    ray.init(address="local", num_cpus=local_cpus(), include_dashboard=False, log_to_driver=True,
+             logging_level=ray_log_level,
              object_store_memory=int(os.environ.get("SLIMECORE_OBJECT_STORE_BYTES", 2 * 1024**3)))
     log.info("Started a local Ray instance in %.1f s (its logs: %s)", time.perf_counter() - started, _session_logs())
 

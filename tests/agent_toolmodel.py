@@ -64,4 +64,6 @@ def teach(base: Path, out: Path, steps: int = 100, lr: float = 1e-2) -> Path:
 
 @pytest.fixture(scope="session")
 def tool_checkpoint(tiny_hf_checkpoint, tmp_path_factory) -> Path:
-    return teach(tiny_hf_checkpoint, tmp_path_factory.mktemp("tool-model"))
+    from fixtures_engine import built_once
+
+    return built_once(tmp_path_factory, "tool-model", lambda out: teach(tiny_hf_checkpoint, out))

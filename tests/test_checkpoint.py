@@ -37,7 +37,7 @@ def test_every_role_loads_from_its_own_directory_and_a_missing_role_is_named(tmp
 
     import ray
 
-    ray.init(num_cpus=1, include_dashboard=False, object_store_memory=80 * 1024 * 1024)
+    ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=80 * 1024 * 1024)
     try:
         assert checkpoint.load(config, {"actor": actor, "critic": critic}, _Manager()) == (5, 5)
     finally:

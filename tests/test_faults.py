@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from fixtures_engine import shm_left_behind, torch_shm_files
 
 from slimecore.preflight import LOCK_FILE
 from slimecore.testing import timeout
@@ -297,7 +298,7 @@ def test_sigterm_mid_run_stops_everything_within_15s(tiny_checkpoint, tmp_path):
     mark = f"SLIMECORE_TEST_RUN_MARK={uuid.uuid4().hex}"
     key, value = mark.split("=")
     assert _marked_processes(mark) == []
-    shm_before = {p.name for p in Path("/dev/shm").glob("torch_*")}
+    shm_before = torch_shm_files()
     log = tmp_path / "log" / "metrics.jsonl"
     proc = subprocess.Popen(_args(tiny_checkpoint, tmp_path, "--task", "compare", "--num-rollout", "1000"),
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, start_new_session=True,
@@ -322,7 +323,7 @@ def test_sigterm_mid_run_stops_everything_within_15s(tiny_checkpoint, tmp_path):
     time.sleep(1)  # processes reparented to init are reaped asynchronously
     left = _marked_processes(mark)
     assert left == [], [Path(f"/proc/{p}/cmdline").read_bytes()[:120] for p in left if Path(f"/proc/{p}").exists()]
-    assert {p.name for p in Path("/dev/shm").glob("torch_*")} <= shm_before, "the trainer's weights stayed in /dev/shm"
+    assert not shm_left_behind(shm_before), "the trainer's weights stayed in /dev/shm"
 
 
 def test_two_runs_side_by_side_do_not_collide(tiny_checkpoint, tmp_path):

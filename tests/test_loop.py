@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from fixtures_engine import shm_left_behind, torch_shm_files
 from slimecore.testing import timeout as scaled
 
 pytest.importorskip("slime_grpo", reason="the grpo plugin is installed by scripts/setup.sh")
@@ -29,9 +30,6 @@ def _run(args: list[str], timeout: float = scaled(240)) -> subprocess.CompletedP
     return proc
 
 
-def shm_files() -> set[str]:
-    """torch's shared-memory files (the trainer's weights are one per rank while a run lasts)."""
-    return {p.name for p in Path("/dev/shm").glob("torch_*")}
 
 
 def _metrics(log_dir: Path) -> list[dict]:
@@ -62,10 +60,10 @@ def test_sync_loop_runs_and_logprobs_match(tiny_checkpoint, tmp_path):
 def test_plugins_load_in_every_process_and_lifecycle_hooks_run(tiny_checkpoint, tmp_path):
     events_file = tmp_path / "events.jsonl"
     recorder = str(Path(__file__).parent / "recorder_plugin.py")
-    before = shm_files()
+    before = torch_shm_files()
     _run(_train_args(tiny_checkpoint, tmp_path / "log", "--num-rollout", "2", "--plugin", recorder,
                      "--events-file", str(events_file), "--actor-num-gpus-per-node", "2"))
-    assert shm_files() <= before, "the run left its weights in /dev/shm"
+    assert not shm_left_behind(before), "the run left its weights in /dev/shm"
     events = [json.loads(line) for line in events_file.read_text().splitlines()]
     started = {(e["process"], e["pid"]) for e in events if e["event"] == "startup"}
     assert sorted(p for p, _ in started) == ["driver", "rollout", "train", "train"]  # 2 DP ranks

@@ -20,7 +20,7 @@ from slimecore.config import parse_config
 from slimecore.raytools import (ENGINE_GPU_SHARE, TRAIN_GPU_SHARE, bundle_options, create_placement, local_gpu)
 
 num_gpus, argv = int(sys.argv[1]), sys.argv[2:]
-ray.init(num_cpus=16, num_gpus=num_gpus, include_dashboard=False, object_store_memory=128 << 20,
+ray.init(address="local", num_cpus=16, num_gpus=num_gpus, include_dashboard=False, object_store_memory=128 << 20,
          log_to_driver=False)
 config = parse_config(["--rollout-batch-size", "1", *argv], [], {})
 
