@@ -155,17 +155,17 @@ def plugins(as_json):
 
 
 def plugins_table(rows: list[dict], width: int) -> Table:
-    """The plugins as a table that fits ``width`` columns (distribution, then origin, dropped when it does not)."""
+    """The plugins as a table that fits ``width`` columns (the distribution dropped when it does not)."""
     from slimecore.display import fit_table
 
     table = Table(title="slime-core plugins (--json: every field)")
-    for column in ("plugin", "distribution", "version", "hooks", "origin"):
+    for column in ("plugin", "distribution", "hooks", "origin"):
         table.add_column(column)
     for row in rows:
-        table.add_row(escape(row["name"]), row["distribution"], row["version"],
+        table.add_row(escape(f"{row['name']} {row['version']}"), row["distribution"],
                       ", ".join(h.removeprefix("slime_") for h in row["hooks"]),
                       row["origin"] if row["origin"] != "error" else f"[red]{escape(row['location'])}[/]")
-    return fit_table(table, width, drop=("distribution", "origin", "version"))
+    return fit_table(table, width, drop=("distribution",))
 
 
 @cli.command()

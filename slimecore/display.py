@@ -46,8 +46,8 @@ def step_line(rollout_id: int, total: int, metrics: dict, eta: float | None) -> 
 def fit_table(table: Table, width: int, drop: Sequence[str] = ()) -> Table:
     """Make ``table`` fit ``width`` terminal columns without cutting a word: each column is at least as wide as
     its longest word, so a cell wraps between words and is never shortened to "…"; while the table would still
-    be wider than ``width``, the columns named in ``drop`` (by header) go, in that order (``--json`` has them
-    all). The room left goes to the columns needing least first, so short cells stay on one line. Returns
+    be wider than ``width``, the columns named in ``drop`` (by header) go, in that order, then the rightmost
+    ones but the first (``--json`` has them all). The room left goes to the columns needing least first, so short cells stay on one line. Returns
     ``table``, changed in place."""
     def lines(column) -> list[str]:
         cells = [column.header, *column._cells]
@@ -58,7 +58,8 @@ def fit_table(table: Table, width: int, drop: Sequence[str] = ()) -> Table:
         return width - table._extra_width - sum(2 for _ in table.columns)
 
     words = {id(c): max((cell_len(w) for line in lines(c) for w in line.split()), default=1) for c in table.columns}
-    for header in drop:
+    headers = list(drop) + [c.header for c in reversed(table.columns[1:]) if c.header not in drop]
+    for header in headers:  # the named columns, then (a last resort) the rightmost ones
         if sum(words[id(c)] for c in table.columns) <= room():
             break
         table.columns[:] = [c for c in table.columns if c.header != header]
@@ -67,9 +68,9 @@ def fit_table(table: Table, width: int, drop: Sequence[str] = ()) -> Table:
         return table  # fits as it is
     spare = max(0, room() - sum(words[id(c)] for c in table.columns))
     by_need = sorted(table.columns, key=lambda c: natural[id(c)] - words[id(c)])
-    for left, column in enumerate(by_need):  # the columns needing least are whole first, the rest share
+    for column in by_need:  # the columns needing least are made whole first; the widest wraps
         key = id(column)
-        extra = min(natural[key] - words[key], spare // (len(by_need) - left))
+        extra = min(natural[key] - words[key], spare)
         column.width, column.overflow = words[key] + extra, "fold"
         spare -= extra
     return table

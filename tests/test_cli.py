@@ -25,7 +25,8 @@ def test_version_and_help_on_every_command():
 def test_train_help_lists_plugin_options():
     result = run("train", "--plugin", "grpo", "--help")
     assert result.exit_code == 0
-    assert "--rollout-batch-size" in result.output and "--eps-clip" in result.output and "plugin grpo" in result.output
+    assert "--rollout-batch-size INT" in result.output and "--eps-clip FLOAT" in result.output
+    assert "\nalgorithm plugin:\n" in result.output and "(grpo) [default 0.2]" in result.output
 
 
 def test_plugins_and_hooks_listings():

@@ -41,7 +41,8 @@ def test_plugins_table_at_80_columns_keeps_names_and_hooks_whole():
     text = _render(plugins_table(rows, 80))
     assert max(map(len, text.splitlines())) <= 80
     _words_whole(text, [r["name"] for r in rows] + [h.removeprefix("slime_") + "," for h in HOOKS[:-1]])
-    assert "plugin" in text and "hooks" in text and "version" in text  # what was dropped is what --json keeps
+    assert "plugin" in text and "hooks" in text and "entry point" in text and "0.1.0" in text
+    assert "slime-core-reasoning-gym" not in text  # the distribution is left to --json at 80 columns
     wide = _render(plugins_table(rows, 200), 200)
     assert "slime-core-reasoning-gym" in wide and "entry point" in wide  # nothing dropped where it fits
 
@@ -139,3 +140,16 @@ def test_the_live_bar_at_80_columns_keeps_the_step_count_and_times_whole():
         text = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", out.getvalue())
     [bar] = [line for line in text.splitlines() if "step 11: training" in line][-1:]
     assert "10/40" in bar and "ETA 45s" in bar and len(bar) <= 80  # the last step's figures give way first
+
+
+def test_models_at_80_columns_keeps_every_cell_whole():
+    import pytest
+    from click.testing import CliRunner
+
+    from slimecore_cli.main import cli
+
+    pytest.importorskip("slime_models", reason="the models plugin is installed by scripts/setup.sh")
+    wide = json.loads(CliRunner().invoke(cli, ["models", "--json"], catch_exceptions=False).output)
+    text = CliRunner().invoke(cli, ["models"], env={"COLUMNS": "80"}, catch_exceptions=False).output
+    assert max(map(len, text.splitlines())) <= 80
+    _words_whole(text, [row["preset"] for row in wide] + ["layers", "heads", "experts"])
