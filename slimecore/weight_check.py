@@ -59,8 +59,17 @@ def tensor_checksum(tensor: torch.Tensor) -> str:
 
 
 def checksums(named: Iterable[tuple[str, torch.Tensor]], only_1d: bool = False) -> dict[str, str]:
-    """``{name: tensor_checksum}``; ``only_1d``: the tensors an SGLang engine keeps under their HF name."""
-    return {name: tensor_checksum(t) for name, t in named if not only_1d or t.dim() == 1}
+    """``{name: tensor_checksum}``, a tensor listed under two names (tied embeddings) hashed once; ``only_1d``:
+    the tensors an SGLang engine keeps under their HF name."""
+    out, done = {}, {}
+    for name, tensor in named:
+        if only_1d and tensor.dim() != 1:
+            continue
+        key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+        if key not in done:
+            done[key] = tensor_checksum(tensor)
+        out[name] = done[key]
+    return out
 
 
 def is_weight(name: str) -> bool:
