@@ -25,11 +25,13 @@ from __future__ import annotations
 import asyncio
 import functools
 import importlib
+import importlib.util
 import inspect
 import os
 import sys
 import weakref
 from argparse import Namespace
+from pathlib import Path
 from typing import TYPE_CHECKING
 from urllib.parse import urlparse
 
@@ -193,10 +195,21 @@ def estimator_argv(argv: list[str], declared: dict[str, list[Option]], name: str
 # ---------------------------------------------------------------------------------------------
 
 
-def _prepare_imports(config) -> None:
-    from slimecore.compat import install
+SHIM_ROOT = str(Path(__file__).resolve().parents[1] / "compat")  # holds slimecore/compat/slime, the `slime` shim
 
-    install()
+
+def install_shim() -> bool:
+    """Make ``import slime`` resolve to the shim unless a real slime is installed; True if the shim is used."""
+    if SHIM_ROOT in sys.path:
+        return True
+    if importlib.util.find_spec("slime") is not None:
+        return False
+    sys.path.append(SHIM_ROOT)
+    return True
+
+
+def _prepare_imports(config) -> None:
+    install_shim()
     for directory in _opt(config, "slime_sys_path") or ():
         if directory not in sys.path:
             sys.path.insert(0, directory)
