@@ -20,7 +20,11 @@ per-sample positions, which gives the same attention scores because RoPE depends
 Log-probs. Logits (vocab-parallel with TP) are divided by ``--rollout-temperature``; log-softmax and entropy are
 computed in fp32 across the TP shards (all-reduce of the max, of sum(exp), of the target logit and of
 sum(p z); the backward is Megatron's identity for replicated losses). Sample i's response tokens ``[start, end)``
-are scored by stream rows ``[start - 1, end - 1)``, as in the fsdp backend.
+are scored by stream rows ``[start - 1, end - 1)``, as in the fsdp backend. On CUDA the last stage's model
+returns its hidden states instead of logits (``post_process`` off for that forward), and the response rows go
+through the output layer's (vocab-parallel) weight in chunks of ``CHUNK_TOKENS`` rows, their logits recomputed
+in backward (``slimecore.ops.linear_logprobs``): no (T, V/tp) fp32 logits of the whole stream (not with
+``--sequence-parallel`` or multi-token prediction, whose output layers do more).
 
 Loss. A reducer's share ``J_mb`` adds up to the step objective over micro-batches and DP ranks. Megatron's
 schedule divides a loss function's output by the rank's micro-batch count K, and DDP averages gradients over
@@ -52,10 +56,11 @@ import torch
 import torch.distributed as dist
 
 from slimecore.megatron_args import megatron_overrides
+from slimecore.ops.linear_logprobs import CHUNK_TOKENS, linear_log_probs_and_entropy
 from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
                                         save_rng, training_device)
 from slimecore.trainers.megatron_model import (CHECKPOINT_META, BridgedModel, MegatronSetupError, check_shape,
-                                               find_bridge, init_parallel, read_checkpoint_meta, shape_dict,
+                                               find_bridge, init_parallel, read_checkpoint_meta, shape_dict, unwrap,
                                                write_checkpoint_meta)
 
 log = logging.getLogger("slimecore.megatron")
@@ -249,6 +254,9 @@ class MegatronBackend:
         model_config.grad_scale_func = self.optimizer.scale_loss
         self.lr_factor = lr_lambda(config)
         self.iteration = 0  # optimizer steps taken (the LR schedule's position)
+        # response rows per chunk of the fused output layer (0: the model's own; see the module docstring)
+        mtp = getattr(model_config, "mtp_num_layers", None)
+        self.head_chunk = CHUNK_TOKENS if self.device.type == "cuda" and not config.sequence_parallel and not mtp else 0
 
     def _load_reference_checkpoint(self, hooks, path: Path) -> None:
         """``--ref-load``: a torch_dist checkpoint of this model (``megatron_checkpoint.json``: a megatron save's
@@ -267,9 +275,26 @@ class MegatronBackend:
     def _pack(self, tokens, response_lengths) -> Packed:
         return pack(tokens, response_lengths, self.model.runtime.packing, self.tp_size, self.device)
 
-    def _response_outputs(self, logits: torch.Tensor, packed: Packed, temperature: float, with_entropy: bool) -> dict:
-        rows = logits[0, packed.rows]  # (N, V/tp)
-        log_probs, entropy = vocab_parallel_log_probs(rows, packed.targets, temperature, with_entropy)
+    def _response_outputs(self, output: torch.Tensor, packed: Packed, temperature: float, with_entropy: bool,
+                          gpt=None) -> dict:
+        """The micro-batch's outputs from the last stage's ``output``: logits (1, T, V/tp), or with ``gpt`` (the
+        unwrapped model whose forward returned them) hidden states (T, 1, H) for the chunked output layer."""
+        if gpt is None:
+            rows = output[0, packed.rows]  # (N, V/tp)
+            log_probs, entropy = vocab_parallel_log_probs(rows, packed.targets, temperature, with_entropy)
+        else:
+            from megatron.core import parallel_state
+            from megatron.core.tensor_parallel.mappings import copy_to_tensor_model_parallel_region
+
+            weight = (gpt.shared_embedding_or_output_weight() if gpt.share_embeddings_and_output_weights
+                      else gpt.output_layer.weight)  # (V/tp, H)
+            tp = self.tp_size > 1
+            hidden = output[packed.rows, 0]  # (N, H)
+            log_probs, entropy = linear_log_probs_and_entropy(
+                copy_to_tensor_model_parallel_region(hidden) if tp else hidden, weight, packed.targets, temperature,
+                with_entropy, bias=getattr(gpt.output_layer, "bias", None), chunk_size=self.head_chunk,
+                compute_dtype=weight.dtype, vocab_start=parallel_state.get_tensor_model_parallel_rank() * weight.shape[0],
+                group=parallel_state.get_tensor_model_parallel_group() if tp else None)
         sizes = packed.response_lengths
         return {"log_probs": list(log_probs.split(sizes)),
                 "entropy": list(entropy.split(sizes)) if with_entropy else None}
@@ -278,10 +303,10 @@ class MegatronBackend:
                           temperature: float, with_entropy: bool, train: bool) -> list:
         scale = len(micro_batches) * self.dp_size  # cancels Megatron's 1/K and DDP's 1/DP (module docstring)
 
-        def loss_fn(logits, packed, mb):
+        def loss_fn(logits, packed, mb, gpt=None):
             info = None
             if mb:
-                loss, info = fn(mb, self._response_outputs(logits, packed, temperature, with_entropy))
+                loss, info = fn(mb, self._response_outputs(logits, packed, temperature, with_entropy, gpt))
             if not train:
                 return logits.new_zeros(()), info
             return (loss * scale if mb else 0.0 * logits.float().sum()), info  # empty: same collectives, no loss
@@ -305,9 +330,16 @@ class MegatronBackend:
 
         def forward_step(data_iterator, model):
             packed, mb = next(data_iterator)
-            logits = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
-                           attention_mask=packed.attention_mask, packed_seq_params=packed.packed_seq_params)
-            return logits, lambda output: loss_fn(output, packed, mb)
+            gpt = unwrap(model)
+            last_stage = gpt.post_process
+            hidden_out = last_stage and bool(self.head_chunk)  # the last stage returns hidden states, not logits
+            gpt.post_process = last_stage and not hidden_out
+            try:
+                output = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
+                               attention_mask=packed.attention_mask, packed_seq_params=packed.packed_seq_params)
+            finally:
+                gpt.post_process = last_stage
+            return output, lambda out: loss_fn(out, packed, mb, gpt if hidden_out else None)
 
         longest = max(item[0].input_ids.shape[1] for item in items)
         return get_forward_backward_func()(forward_step_func=forward_step, data_iterator=iter(items),

@@ -443,3 +443,32 @@ def throughput_without_ray(rank: int, world: int, checkpoint: str) -> dict:
     out["ray_after"] = sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))
     return out
 
+
+
+def chunked_head(rank: int, world: int, checkpoint: str) -> dict:
+    """The chunked output layer (hidden states out of the model, ``ops.linear_logprobs`` over the vocab-parallel
+    weight, the CUDA default) against the model's own logits, with TP = ``world``: log-probs, entropies, and one
+    GRPO step's metrics and weights (rank 0 reports the largest differences)."""
+    _setup()
+    import torch
+
+    from slimecore.trainers.trainer import Trainer
+
+    data = rank_part(synthetic_batch(), 1, 0)
+    config = grpo_config(checkpoint, tensor_model_parallel_size=world)
+    runs = []
+    for chunk in (0, 4):
+        trainer = Trainer(config, _hooks(), rank=rank, world_size=world, backend="megatron")
+        trainer.backend.head_chunk = chunk
+        log_probs = trainer.compute_log_probs(data)
+        outputs = trainer.backend.run_micro_batches(
+            data, [list(range(len(data["tokens"])))], lambda mb, out: (None, out), temperature=0.7,
+            with_entropy=True, train=False)[0]
+        metrics = trainer.train(0, copy.deepcopy(data))
+        runs.append((log_probs, outputs["entropy"], metrics, trainer.backend.named_weights()))
+        del trainer
+    (lp0, ent0, m0, w0), (lp1, ent1, m1, w1) = runs
+    return {"log_probs": _max_diff(lp1, lp0), "entropy": _max_diff(ent1, ent0),
+            "metrics": {k: abs(m1[k] - m0[k]) for k in m0 if k.startswith("train/")},
+            "grad_norm": m0["train/grad_norm"],
+            "weights": _max_diff([w1[k] for k in sorted(w0)], [w0[k] for k in sorted(w0)]) if rank == 0 else None}

@@ -107,6 +107,15 @@ def test_qwen3_moe_with_expert_parallelism(tmp_path):
     assert r0["round_trip_names_equal"] and r0["round_trip_exact"] and r0["tensors"] == 45
 
 
+def test_chunked_output_layer_equals_the_models_logits_with_tp2(tiny_checkpoint):
+    """The CUDA default (hidden states out, the vocab-parallel output layer in chunks with the logits recomputed
+    in backward) gives the model's own log-probs, entropies and GRPO step (fp32 1e-6) and updated weights."""
+    r0, r1 = run_ranks(checks.chunked_head, str(tiny_checkpoint), world=2, timeout=scaled(300))
+    assert r0["log_probs"] < 1e-6 and r0["entropy"] < 1e-6 and r1["log_probs"] < 1e-6
+    assert r0["grad_norm"] > 0.1 and all(v < 1e-6 for v in r0["metrics"].values()), r0["metrics"]
+    assert r0["weights"] < 1e-5  # one AdamW step of lr 1e-3: m / sqrt(v) magnifies rounding of tiny gradients
+
+
 def test_trainers_and_the_throughput_benchmark_run_without_ray(tiny_checkpoint):
     """A GPU machine with torch alone: both backends train through benchmarks/train_throughput.py while
     ``import ray`` fails (megatron_model -> checkpoint imported Ray before)."""

@@ -1,0 +1,60 @@
+"""SGLang's weight-sync wire judged by SGLang's own code: the trainer's ``/update_weights_from_tensor`` body
+(flattened buckets of its exported weights, one payload per engine TP rank) is opened in another process by the
+installed ``sglang`` wheel's ``MultiprocessingSerializer`` and ``FlattenedTensorBucket`` (``tests/sglang_wire.py``)
+and every tensor equals the trainer's bit for bit. On the CPU the flattened bucket travels as shared memory
+(torch's file_system strategy, as the sender sets it); on CUDA (marked gpu) as CUDA IPC handles."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from devices import DEVICES
+from slimecore.config import Config
+from slimecore.engines import weight_sync
+from slimecore.sglang_schema import sglang_root
+
+pytestmark = pytest.mark.skipif(sglang_root() is None, reason="the sglang wheel is not installed (scripts/setup.sh)")
+RECEIVER = Path(__file__).resolve().parent / "sglang_wire.py"
+
+
+def _payload_buffer(bucket, device: str) -> torch.Tensor | None:
+    """Where the sender flattens a bucket: a shared-memory buffer on the CPU, a fresh tensor on CUDA."""
+    if device != "cpu":
+        return None
+    buffer = torch.empty(sum(t.numel() * t.element_size() for _, t in bucket), dtype=torch.uint8)
+    with weight_sync.file_system_sharing():
+        buffer.share_memory_()
+    return buffer
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sglang_opens_the_trainers_flattened_buckets_bit_for_bit(tiny_checkpoint, tmp_path, device):
+    from slimecore.trainers.fsdp import FSDPBackend
+
+    backend = FSDPBackend(Config.make(hf_checkpoint=str(tiny_checkpoint)), device=device)
+    buckets = list(backend.hf_weight_buckets(256 * 1024))  # the trainer's export: several buckets
+    # and the dtypes a bf16 or quantised export carries. Widest element first: SGLang's reconstruct_tensors views
+    # each byte span as its dtype, which needs the span's offset to be a multiple of the element size (a bucket
+    # with an odd-length bf16 tensor before an fp32 one fails in SGLang's own code)
+    g = torch.Generator().manual_seed(0)
+    buckets.append([("x.int64", torch.arange(11, device=device)),
+                    ("x.bf16", torch.randn(7, 5, generator=g).to(device, torch.bfloat16)),
+                    ("x.fp16", torch.randn(3, generator=g).to(device, torch.float16))])
+    assert len(buckets) > 2 and all(t.device.type == device for b in buckets for _, t in b)
+    keep = []  # the sender holds each flattened bucket until the engines answered
+    for i, bucket in enumerate(buckets):
+        flat, metadata = weight_sync.flatten(bucket, out=_payload_buffer(bucket, device))
+        keep.append(flat)
+        payloads = [weight_sync.serialize({"flattened_tensor": flat, "metadata": metadata}) for _ in range(2)]
+        body_file, out_file = tmp_path / f"body{i}.json", tmp_path / f"digests{i}.json"
+        body_file.write_text(json.dumps(weight_sync.tensor_body(payloads, "1")))  # two engine TP ranks
+        subprocess.run([sys.executable, str(RECEIVER), str(body_file), str(out_file)], check=True, timeout=300)
+        want = weight_sync.digest(bucket)
+        for rank in json.loads(out_file.read_text()):
+            assert rank["digests"] == want and rank["devices"] == [device]
