@@ -7,9 +7,9 @@ MFU, no engine and no Ray (the trainer alone, as each train actor runs it).
 
 Everything after ``--`` is a ``slime-core train`` flag (``--bf16``, the Megatron parallel sizes, micro-batching,
 ``--lr`` ...). ``--shape`` builds a randomly initialised model locally (nothing is downloaded): ``tiny`` (the test
-model) or ``qwen2.5-0.5B`` (Qwen2.5-0.5B's config: 24 layers, hidden 896, 14/2 heads, FFN 4864, vocab 151936,
-tied embeddings); ``--hf-checkpoint DIR`` uses a local checkpoint instead. Each step trains ``--samples`` samples
-of ``--prompt-len`` + ``--response-len`` tokens with the grpo plugin's loss (groups of ``--group`` sharing a prompt,
+model), ``qwen2.5-0.5B`` (Qwen2.5-0.5B's config: 24 layers, hidden 896, 14/2 heads, FFN 4864, vocab 151936,
+tied embeddings) or ``qwen2.5-1.5B`` (28 layers, hidden 1536, 12/2 heads, FFN 8960), on the GPU when there is
+one; ``--hf-checkpoint DIR`` uses a local checkpoint instead. Each step trains ``--samples`` samples of ``--prompt-len`` + ``--response-len`` tokens with the grpo plugin's loss (groups of ``--group`` sharing a prompt,
 normalised rewards +-1) as one optimizer step.
 
 Figures (medians over the steps after ``--warmup``): ``perf/actor_train_tok_per_s`` (all ranks),
@@ -37,6 +37,9 @@ BF16_PEAK_TFLOPS = {"H200": 989.4, "H100": 989.4, "H800": 989.4, "H20": 148.0, "
 QWEN25_05B = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
                   num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, rope_theta=1e6,
                   rms_norm_eps=1e-6, tie_word_embeddings=True, architectures=["Qwen2ForCausalLM"])
+QWEN25_15B = {**QWEN25_05B, "hidden_size": 1536, "intermediate_size": 8960, "num_hidden_layers": 28,
+              "num_attention_heads": 12}  # Qwen2.5-1.5B: 2 KV heads and tied embeddings too
+SHAPES = {"qwen2.5-0.5B": QWEN25_05B, "qwen2.5-1.5B": QWEN25_15B}
 
 
 def build_checkpoint(shape: str, directory: Path) -> Path:
@@ -49,7 +52,8 @@ def build_checkpoint(shape: str, directory: Path) -> Path:
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(Qwen2Config(**QWEN25_05B), dtype=torch.bfloat16)
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):  # a 1.5B random init takes a minute on a CPU
+        model = AutoModelForCausalLM.from_config(Qwen2Config(**SHAPES[shape]), dtype=torch.bfloat16)
     model.save_pretrained(directory)
     return directory
 
@@ -164,7 +168,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     own, train_argv = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", choices=("fsdp", "megatron"), default="fsdp")
-    parser.add_argument("--shape", choices=("tiny", "qwen2.5-0.5B"), default="qwen2.5-0.5B")
+    parser.add_argument("--shape", choices=("tiny", *SHAPES), default="qwen2.5-0.5B")
     parser.add_argument("--hf-checkpoint", default=None, help="a local HF checkpoint instead of --shape")
     parser.add_argument("--samples", type=int, default=64, help="samples per optimizer step")
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")

@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Build the wheel folder that scripts/gpu-check.sh installs from, on a machine that can reach PyPI:
+#
+#   bash scripts/gpu-wheels.sh [DIR]            # default DIR: wheels/gpu (git-ignored: copy it to the GPU machine)
+#
+# The GPU machine has torch (and triton) and no network. The folder holds what the check needs beyond them:
+# megatron-core, mbridge and einops; transformers at the pin the project is tested with, and what it needs;
+# pluggy, PyYAML, numpy, pytest and pytest-timeout; setuptools (the editable installs of slime-core and its
+# plugins); the sglang wheel without its dependencies, and pybase64, the one package beside torch that the code
+# of its weight-sync wire uses (MultiprocessingSerializer and SafeUnpickler in sglang/srt/utils/common.py,
+# FlattenedTensorBucket in sglang/srt/weight_sync/tensor_bucket.py). The test loads those classes from the
+# wheel's source files: importing sglang.srt.utils would pull torchvision, PIL, IPython, pydantic, aiohttp
+# and more (SGLang's server), which a bare GPU machine does not have.
+# Wheels are for this interpreter's Python and platform; for another one set GPU_WHEELS_PLATFORM (e.g.
+# "--python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all:").
+set -euo pipefail
+root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+dir="${1:-$root/wheels/gpu}"
+mkdir -p "$dir"
+python="${PYTHON:-python3}"
+read -r -a platform <<< "${GPU_WHEELS_PLATFORM:-}"
+download() { "$python" -m pip download -q --disable-pip-version-check --dest "$dir" "${platform[@]}" "$@"; }
+
+# With their dependencies (none of these depends on torch)
+download transformers==5.24.0 pluggy pyyaml numpy "pytest>=8" pytest-timeout einops setuptools
+# Without: each would pull torch (megatron-core, mbridge) or SGLang's whole GPU server (sglang)
+download --no-deps "megatron-core>=0.16,<0.17" "mbridge>=0.15.1,<0.16" sglang==0.5.15.post1 pybase64
+# What torch already brought (filelock, fsspec, typing-extensions) and hf-xet, the hub's download accelerator
+# (huggingface-hub imports it only to download; the check runs offline)
+rm -f "$dir"/filelock-*.whl "$dir"/fsspec-*.whl "$dir"/typing_extensions-*.whl "$dir"/hf_xet-*.whl
+
+bytes=$(du -sb "$dir" | cut -f1)
+echo "wheel folder $dir: $(ls "$dir" | wc -l) files, $((bytes / 1024 / 1024)) MiB"
+if [ "$bytes" -gt $((60 * 1024 * 1024)) ]; then
+  echo "warning: over 60 MiB; drop what the GPU machine already has (numpy, transformers) from the folder" >&2
+fi
