@@ -9,7 +9,8 @@ Everything after ``--`` is a ``slime-core train`` flag (``--bf16``, the Megatron
 ``--lr`` ...). ``--shape`` builds a randomly initialised model locally (nothing is downloaded): ``tiny`` (the test
 model), ``qwen2.5-0.5B`` (Qwen2.5-0.5B's config: 24 layers, hidden 896, 14/2 heads, FFN 4864, vocab 151936,
 tied embeddings) or ``qwen2.5-1.5B`` (28 layers, hidden 1536, 12/2 heads, FFN 8960), on the GPU when there is
-one; ``--hf-checkpoint DIR`` uses a local checkpoint instead. Each step trains ``--samples`` samples of ``--prompt-len`` + ``--response-len`` tokens with the grpo plugin's loss (groups of ``--group`` sharing a prompt,
+one; ``--hf-checkpoint DIR`` uses a local checkpoint instead. Each step trains ``--samples`` samples of
+``--prompt-len`` + ``--response-len`` tokens with the grpo plugin's loss (groups of ``--group`` sharing a prompt,
 normalised rewards +-1) as one optimizer step.
 
 Figures (medians over the steps after ``--warmup``): ``perf/actor_train_tok_per_s`` (all ranks),
