@@ -30,7 +30,7 @@ def test_train_help_lists_plugin_options():
 
 
 def test_plugins_and_hooks_listings():
-    rows = json.loads(run("plugins", "--json").output)
+    rows = json.loads(run("plugins", "--json").stdout)  # stderr may say which plugins it imports
     names = {r["name"]: r for r in rows}
     assert names["slimecore.defaults.reward"]["hooks"] == ["slime_group_reward", "slime_log_rollout", "slime_options",
                                                            "slime_reward", "slime_shutdown", "slime_validate_config"]
