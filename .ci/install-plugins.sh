@@ -4,6 +4,6 @@
 # verifiers' mcp pin when openenv-core comes in.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-for name in grpo sft gspo ppo search_r1 models reasoning_gym verifiers openenv; do
+for name in grpo sft gspo ppo search_r1 models reasoning_gym verifiers openenv opd; do
   python -m pip install -q -c .ci/constraints.txt --no-build-isolation -e "plugins/$name"
 done

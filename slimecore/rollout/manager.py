@@ -331,6 +331,11 @@ def convert_samples(hooks, config: Config, samples: list[Sample]) -> RolloutColu
     }
     if all(s.rollout_log_probs is not None for s in samples):
         data["rollout_log_probs"] = [list(s.rollout_log_probs) for s in samples]
+    for key in sorted({key for s in samples for key in s.train_columns}):  # plugins' own columns
+        if key in data:
+            raise ValueError(f"Sample.train_columns[{key!r}] would replace the core's training column {key!r}; "
+                             "the plugin that sets it must pick another name")
+        data[key] = [s.train_columns.get(key) for s in samples]
     return data
 
 

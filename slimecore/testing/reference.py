@@ -8,7 +8,7 @@ reference code, and none of it is kept in this repository.
 
 Only the named functions (and the module's top-level constants and the helpers they call, if also named) are
 executed: decorators such as ``@torch.compile`` are dropped (same maths, no compiler), and the module's own
-imports of its package (``slime.*``, ``miles.*``, ``megatron``, ``aiohttp``) are skipped, so the functions must
+imports of its package (relative ones, ``slime.*``, ``miles.*``, ``megatron``, ``aiohttp``) are skipped, so the functions must
 not need them.
 """
 
@@ -40,8 +40,8 @@ def load_functions(source: str, names: list[str]) -> dict[str, typing.Callable]:
     for node in tree.body:
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             module = node.module if isinstance(node, ast.ImportFrom) else node.names[0].name
-            if module and module.split(".")[0] in SKIPPED_IMPORTS:
-                continue
+            if getattr(node, "level", 0) or (module and module.split(".")[0] in SKIPPED_IMPORTS):
+                continue  # the package's own modules (relative or by name) are not loaded
             kept.append(node)
         elif isinstance(node, ast.Assign) or (isinstance(node, ast.AnnAssign) and node.value is not None):
             kept.append(node)
@@ -74,8 +74,9 @@ def to_json(value):
 
 
 def write_vectors(path: str | Path, provenance: dict, cases: list[dict]) -> None:
-    """Write ``{"provenance": ..., "cases": [...]}`` as indented JSON."""
-    Path(path).write_text(json.dumps({"provenance": provenance, "cases": to_json(cases)}, indent=1) + "\n")
+    """Write ``{"provenance": ..., "cases": [...]}`` as JSON, one case per line."""
+    lines = ",\n".join(json.dumps(case) for case in to_json(cases))
+    Path(path).write_text(f'{{"provenance": {json.dumps(provenance, indent=1)},\n"cases": [\n{lines}\n]}}\n')
 
 
 def read_vectors(path: str | Path) -> dict:
