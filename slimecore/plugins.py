@@ -34,9 +34,10 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable
 
 import pluggy
 
-from slimecore import hookspecs
+from slimecore import answers, hookspecs
 from slimecore.config import Config, ConfigError, Option
 from slimecore.errors import HookCallError, PluginError  # defined there, importable from here
+from slimecore.rollout.watchdog import waiting
 
 if TYPE_CHECKING:
     import torch
@@ -436,7 +437,7 @@ class Hooks:
                 raise  # already a message for the user (e.g. slime_validate_config rejecting flags)
             except Exception as exc:
                 raise HookCallError(plugin, hook, exc) from exc
-            return _guarded_await(plugin, hook, result) if inspect.isawaitable(result) else result
+            return _answer_of(plugin, hook, result, dict(zip(impl.argnames, args)))
 
         def guarded_wrapper(*args):
             if self._switched(impl) is False:
@@ -448,7 +449,7 @@ class Hooks:
                 raise
             except Exception as exc:
                 raise HookCallError(plugin, hook, exc) from exc
-            return _guarded_await(plugin, hook, result) if inspect.isawaitable(result) else result
+            return _answer_of(plugin, hook, result, dict(zip(impl.argnames, args)))
 
         wrapped = guarded_wrapper if impl.wrapper or impl.hookwrapper else guarded
         wrapped.slime_active_when = getattr(function, "slime_active_when", None)
@@ -494,13 +495,23 @@ class Hooks:
         return answers
 
 
-async def _guarded_await(plugin: str, hook: str, awaitable):
+def _answer_of(plugin: str, hook: str, result, args: dict):
+    """A guarded implementation's answer, checked against what ``hook`` may return (``slimecore.answers``) right
+    after it returns; an awaitable's once awaited."""
+    if inspect.isawaitable(result):
+        return _guarded_await(plugin, hook, result, args)
+    return answers.check(plugin, hook, result, args)
+
+
+async def _guarded_await(plugin: str, hook: str, awaitable, args: dict):
     try:
-        return await awaitable
+        with waiting(plugin, hook, args):  # what the rollout's watchdog and timeouts name while it runs
+            result = await awaitable
     except (PluginError, ConfigError, asyncio.CancelledError):
         raise
     except Exception as exc:
         raise HookCallError(plugin, hook, exc) from exc
+    return answers.check(plugin, hook, result, args)
 
 
 class _PluginManager(pluggy.PluginManager):

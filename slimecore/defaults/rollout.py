@@ -24,7 +24,7 @@ import asyncio
 import collections
 import math
 
-from slimecore import hookimpl
+from slimecore import aio, hookimpl
 from slimecore.errors import FilterStarvedError
 from slimecore.rollout.fully_async import fully_async_step, stop_workers
 from slimecore.rollout.groups import GroupRunner, concurrency, warn_if_starving
@@ -111,7 +111,7 @@ async def slime_rollout(config, rollout_id: int, data_source, client, sample_hoo
     runner = GroupRunner(config, client, sample_hooks, rollout_id, evaluation,
                          asyncio.Semaphore(concurrency(config)))
     if evaluation:
-        groups = await asyncio.gather(*(runner.run(g) for g in data_source.get_samples(len(data_source))))
+        groups = await aio.gather(*(runner.run(g) for g in data_source.get_samples(len(data_source))))
         return RolloutOutput(list(groups), {"rollout/reward_failures": runner.reward_failures})
 
     target = config.rollout_batch_size
@@ -122,44 +122,48 @@ async def slime_rollout(config, rollout_id: int, data_source, client, sample_hoo
     tasks: set[asyncio.Task] = set()
     submitted_alive = 0  # submitted and not rejected (slime's remaining_batch_size)
     rounds = 0
-    while len(accepted) < target:
-        while submitted_alive < target:
-            if rounds == config.max_filter_rounds and by_filter:
-                for task in tasks:
-                    task.cancel()
-                await client.abort_all()
-                raise _starved(rollout_id, rounds, len(accepted), target, by_filter)
-            rounds += 1
-            for group in data_source.get_samples(over):
-                if config.mask_offpolicy_in_partial_rollout:
-                    for sample in group:
-                        sample.loss_mask = [0] * sample.response_length if sample.response_length else None
-                tasks.add(asyncio.ensure_future(runner.run(group)))
-                submitted_alive += 1
-        done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
-        for task in done:
-            group = task.result()
-            if len(accepted) >= target:
-                continue  # finished after the target was met: surplus, dropped like slime
-            if any(s.status == Status.ABORTED for s in group):
-                _recycle(config, data_source, group, rollout_id)
-                submitted_alive -= 1
-                continue
-            verdict, plugin = sample_hooks.filter_group(config=config, samples=group)
-            if verdict.keep or (verdict.keep_when_insufficient and submitted_alive <= target):
-                accepted.append(group)
-            else:
-                drops[verdict.reason or "filtered"] += 1
-                by_filter[plugin, verdict.reason or "filtered"] += 1
-                submitted_alive -= 1
-                warn_if_starving(drops, len(accepted), target)
-    aborted = 0
-    if tasks:
-        await client.abort_all()
-        for group in await asyncio.gather(*tasks):
-            if any(s.status == Status.ABORTED for s in group):
-                _recycle(config, data_source, group, rollout_id)
-                aborted += 1
+    try:  # a failure (or the step's deadline) cancels the groups in flight and waits for them
+        while len(accepted) < target:
+            while submitted_alive < target:
+                if rounds == config.max_filter_rounds and by_filter:
+                    for task in tasks:
+                        task.cancel()
+                    await client.abort_all()
+                    raise _starved(rollout_id, rounds, len(accepted), target, by_filter)
+                rounds += 1
+                for group in data_source.get_samples(over):
+                    if config.mask_offpolicy_in_partial_rollout:
+                        for sample in group:
+                            sample.loss_mask = [0] * sample.response_length if sample.response_length else None
+                    tasks.add(asyncio.ensure_future(runner.run(group)))
+                    submitted_alive += 1
+            done, tasks = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+            for task in done:
+                group = task.result()
+                if len(accepted) >= target:
+                    continue  # finished after the target was met: surplus, dropped like slime
+                if any(s.status == Status.ABORTED for s in group):
+                    _recycle(config, data_source, group, rollout_id)
+                    submitted_alive -= 1
+                    continue
+                verdict, plugin = sample_hooks.filter_group(config=config, samples=group)
+                if verdict.keep or (verdict.keep_when_insufficient and submitted_alive <= target):
+                    accepted.append(group)
+                else:
+                    drops[verdict.reason or "filtered"] += 1
+                    by_filter[plugin, verdict.reason or "filtered"] += 1
+                    submitted_alive -= 1
+                    warn_if_starving(drops, len(accepted), target)
+        aborted = 0
+        if tasks:
+            await client.abort_all()
+            for group in await aio.gather(*tasks):
+                if any(s.status == Status.ABORTED for s in group):
+                    _recycle(config, data_source, group, rollout_id)
+                    aborted += 1
+    except BaseException:
+        await aio.cancel(tasks)
+        raise
     metrics = {f"rollout/dynamic_filter/drop_{reason}": float(n) for reason, n in drops.items()}
     metrics.update({"rollout/aborted_groups": float(aborted), "rollout/reward_failures": float(runner.reward_failures),
                     "perf/reward_time": runner.reward_time})

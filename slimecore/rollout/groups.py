@@ -16,6 +16,7 @@ import logging
 import math
 import time
 
+from slimecore import aio
 from slimecore.errors import HookCallError, PluginError
 from slimecore.rollout.client import SharedRequests
 from slimecore.types import Sample, Status
@@ -71,7 +72,7 @@ class GroupRunner:
 
     async def run(self, group: list[Sample]) -> list[Sample]:
         with SharedRequests():  # the group's samples go to the engine in one request (they finish together anyway)
-            results = await asyncio.gather(*(self._generate(s) for s in group))
+            results = await aio.gather(*(self._generate(s) for s in group))
         samples = [s for r in results for s in (r if isinstance(r, list) else [r])]
         for sample in samples:
             await self.sample_hooks.process_sample(config=self.config, sample=sample, rollout_id=self.rollout_id,
@@ -90,7 +91,7 @@ class GroupRunner:
                 self._set_reward(sample, reward)
         else:
             # a generate hook may score its samples itself (an agent's reward): those are not scored again
-            await asyncio.gather(*(self._reward(s) for s in samples if s.reward is None))
+            await aio.gather(*(self._reward(s) for s in samples if s.reward is None))
         return samples
 
     async def _generate(self, sample: Sample):

@@ -7,7 +7,6 @@ the Ray object store. It also pushes new weights to the engines and runs eval.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import statistics
@@ -23,6 +22,7 @@ from slimecore.errors import check_reward_failures
 from slimecore.plugins import load_for_config
 from slimecore.raytools import ray_get
 from slimecore.rollout.hook_args import SampleHooks, buffer_filter
+from slimecore.rollout.watchdog import LoopThread
 from slimecore.runs import write_samples
 from slimecore.types import RolloutColumns, Sample, Status
 
@@ -50,7 +50,7 @@ class RolloutManager:
             self.data_source = self.hooks.slime_data_source(config=config, tokenizer=self.tokenizer,
                                                             buffer_filter=buffer_filter(self.hooks, config))
             self.sample_hooks = SampleHooks(self.hooks)
-            self.loop = aio.new_event_loop()
+            self.loop = LoopThread(aio.new_event_loop())  # on its own thread: deadlines hold when it is blocked
             self._states: dict[int, dict] = {}  # data-source state after each generated step (for checkpoints)
             self._eval_sources: dict[str, object] = {}
             self._retries_logged = 0
@@ -187,10 +187,10 @@ class RolloutManager:
         if c.load_debug_rollout_data:
             samples, metrics = self._load_debug(rollout_id), {}
         else:
-            out = self.loop.run_until_complete(asyncio.wait_for(
+            out = self.loop.run_until_complete(
                 self.hooks.slime_rollout(config=c, rollout_id=rollout_id, data_source=self.data_source,
                                          client=self.client, sample_hooks=self.sample_hooks, evaluation=False),
-                timeout=c.rollout_timeout))
+                timeout=c.rollout_timeout, what=f"rollout {rollout_id} (--rollout-timeout)")
             samples, metrics = [s for group in out.samples for s in group], dict(out.metrics)
         self._states[rollout_id] = (out.data_state if not c.load_debug_rollout_data and out.data_state is not None
                                     else self.data_source.state_dict())
@@ -282,8 +282,9 @@ class RolloutManager:
 
     def shutdown(self) -> None:
         self.hooks.slime_shutdown(config=self.config, process="rollout")
-        if self.client:
-            self.loop.run_until_complete(self.client.close())
+        if self.client and not self.loop.blocked():
+            self.loop.run_until_complete(self.client.close(), timeout=60, what="closing the engines' HTTP sessions")
+        self.loop.close()
         if self.fleet:
             self.fleet.stop()
 
