@@ -177,6 +177,39 @@ def test_chunked_forward_equals_one_padded_forward(tiny_checkpoint, value_model,
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("value_model", [False, True])
+def test_packed_forward_equals_the_padded_chunks(tiny_checkpoint, value_model, device):
+    """The CUDA default, a micro-batch as one unpadded stream with position_ids restarting per sample, gives each
+    sample's log-probs, entropies (or values) of the padded chunks; and a training step the same loss and
+    gradients."""
+    from slimecore.trainers.fsdp import FSDPBackend
+
+    backend = FSDPBackend(_config(tiny_checkpoint), value_model=value_model, device=device)
+    assert backend.packed == (device == "cuda")
+    data = _with_lengths(_data(), MIXED_LENGTHS)
+    args = (data["tokens"], data["response_lengths"], 0.7, True)
+    with torch.no_grad(), fp32_strict():
+        packed, padded = backend._forward_packed(*args), backend._forward_padded(*args)
+    assert packed.keys() == padded.keys()
+    for key in packed:
+        for got, want in zip(packed[key], padded[key]):
+            assert got.shape == want.shape and (got - want).abs().max().item() < tolerance(device)
+    if value_model:
+        return
+    config, tol = _config(tiny_checkpoint, calculate_per_token_loss=True), tolerance(device)
+    runs = []
+    for packed in (False, True):
+        trainer, _ = _trainer(config, device=device)
+        trainer.backend.packed = packed
+        with fp32_strict():
+            runs.append((trainer.train(0, _part(data, micro_batch_size=4)), _flat_grads(trainer)))
+    (m0, g0), (m1, g1) = runs
+    assert g0.abs().max().item() > 0 and (g1 - g0).abs().max().item() < tol
+    for key in ("train/loss", "train/pg_loss", "train/entropy_loss", "train/grad_norm"):
+        assert m1[key] == pytest.approx(m0[key], abs=tol), key
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_chunking_is_invisible_to_the_loss_and_gradients(tiny_checkpoint, monkeypatch, device):
     import slimecore.trainers.fsdp as fsdp
 

@@ -11,8 +11,10 @@ split. Two ways to hold the weights:
   decoder layers and the root are sharded; FSDP reduce-scatters with a divide factor of 1 (a sum).
   The tests exercise it on CPU with gloo; it has not been run on GPUs here.
 
-Forward. A micro-batch's samples run in chunks of similar length (``forward_chunks``: length-sorted, split
-to minimise padded tokens plus a cost per forward, ``forward_cost_tokens``, larger for a small model), each
+Forward. On CUDA a micro-batch is one packed stream without padding (``_forward_packed``: the samples
+concatenated, ``position_ids`` restarting per sample, attention kept inside each sample by transformers'
+packed-sequence mask; for ``PLAIN_HEAD_MODEL_TYPES``). On the CPU its samples run in chunks of similar length
+(``forward_chunks``: length-sorted, split to minimise padded tokens plus a cost per forward, ``forward_cost_tokens``, larger for a small model), each
 right-padded to its own longest sample with an attention mask (none when no row is padded; no sequence
 packing), so a sample's logits do not depend on its neighbours beyond kernel rounding (checked to 1e-6 in the
 tests). The loss still sees the whole micro-batch, in its order; FSDP2 runs one chunk, so that every rank runs
@@ -67,7 +69,8 @@ FORWARD_COST_TOKENS = 64  # what one more forward (and its backward) costs, in p
 # CUDA figure is an assumed order of magnitude for a recent GPU, not measured here)
 FORWARD_OVERHEAD_S, DEVICE_FLOPS = 2e-3, {"cpu": 1.6e11, "cuda": 2e14}
 # Causal LMs whose forward is ``lm_head(decoder(...).last_hidden_state)`` with nothing after the head (no logit
-# scaling or soft-capping): their response log-probs can take the chunked head (``ops.linear_logprobs``).
+# scaling or soft-capping): their response log-probs can take the chunked head (``ops.linear_logprobs``); their
+# masks come from transformers' create_causal_mask, which keeps packed samples apart by their position_ids.
 PLAIN_HEAD_MODEL_TYPES = {"llama", "mistral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
 
 
@@ -206,6 +209,8 @@ class FSDPBackend:
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # response rows per chunk of the fused head (0: the model's own head; see the module docstring)
         self.head_chunk = CHUNK_TOKENS if self.device.type == "cuda" else 0
+        # a micro-batch as one packed stream (CUDA) or in length-sorted padded chunks (the CPU, where measured faster)
+        self.packed = self.device.type == "cuda" and self.hf_config.model_type in PLAIN_HEAD_MODEL_TYPES
         self.forward_cost = forward_cost_tokens(sum(p.numel() for p in self.model.parameters()), self.device.type)
         # torch's fused AdamW kernel (fp32 parameters, plain or DTensor shards, on CPU or CUDA: the training
         # devices): one pass over each tensor instead of the default's chain of elementwise ops
@@ -251,6 +256,8 @@ class FSDPBackend:
         """Per-sample response log-probs (and entropies) of one non-empty micro-batch, each ``(R_i,)``; for the
         value model, the values at the same positions, in the micro-batch's order (forwarded in chunks: see
         the module docstring)."""
+        if self.packed:
+            return self._forward_packed(tokens, response_lengths, temperature, with_entropy)
         chunks = ([list(range(len(tokens)))] if self.sharded
                   else forward_chunks([len(t) for t in tokens], self.forward_cost))
         outputs: dict[str, list | None] = {}
@@ -262,6 +269,39 @@ class FSDPBackend:
                 for i, value in zip(chunk, values or ()):
                     merged[i] = value
         return outputs
+
+    def _forward_packed(self, tokens: list[list[int]], response_lengths: list[int], temperature: float,
+                        with_entropy: bool) -> dict:
+        """``_forward`` of the micro-batch as one stream (1, T) without padding: ``position_ids`` restart at 0 per
+        sample and no attention mask is passed, from which transformers' mask builder makes each sample attend to
+        itself only (its packed-sequence detection)."""
+        ids = torch.tensor([[tok for seq in tokens for tok in seq]], device=self.device)  # (1, T)
+        positions = torch.cat([torch.arange(len(seq)) for seq in tokens])[None].to(self.device)  # (1, T)
+        rows, start = [], 0
+        for seq, r in zip(tokens, response_lengths):
+            rows.append(torch.arange(start + len(seq) - r - 1, start + len(seq) - 1))
+            start += len(seq)
+        rows_t = torch.cat(rows).to(self.device)  # (N,) stream rows that score the response tokens
+        split = list(response_lengths)
+        if self.is_value:
+            with self._autocast():
+                out = self.model(input_ids=ids, position_ids=positions, use_cache=False)
+            return {"values": list(out.logits[0, rows_t, 0].float().split(split))}
+        targets = ids[0, rows_t + 1]  # (N,)
+        head = self._plain_head() if self.head_chunk else None
+        with self._autocast():
+            if head is not None:
+                decoder, lm_head = head
+                hidden = decoder(input_ids=ids, position_ids=positions, use_cache=False).last_hidden_state
+                log_probs, entropy = linear_log_probs_and_entropy(hidden[0, rows_t], lm_head.weight, targets,
+                                                                  temperature, with_entropy, bias=lm_head.bias,
+                                                                  chunk_size=self.head_chunk)
+            else:
+                keep, column = torch.unique(rows_t, return_inverse=True)
+                out = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
+                log_probs, entropy = log_probs_and_entropy(out.logits[0, column], targets, temperature, with_entropy)
+        return {"log_probs": list(log_probs.split(split)),
+                "entropy": list(entropy.split(split)) if with_entropy else None}
 
     def _forward_padded(self, tokens: list[list[int]], response_lengths: list[int], temperature: float,
                         with_entropy: bool) -> dict:
