@@ -155,8 +155,8 @@ CORE_OPTIONS: list[Option] = [
     _O("sglang_router_ip", str, None, "An external sglang-router to use (with --sglang-router-port): slime-core "
        "starts none, registers its engines with it and removes them when the run ends.", group="rollout"),
     _O("sglang_router_port", int, None, "Port of the external router of --sglang-router-ip.", group="rollout"),
-    _O("sglang_router_request_timeout_secs", int, 14400, "Seconds one request to the router may take.",
-       group="rollout"),
+    _O("sglang_router_request_timeout_secs", int, 600, "Seconds one request to the router may take (slime's default "
+       "is 14400).", group="rollout"),
     _O("sglang_launch_command", str, "python -m sglang.launch_server", "Command that starts one SGLang HTTP server "
        "(--rollout-engine sglang); the ServerArgs follow as --<field> flags.", group="rollout"),
     _O("sglang_startup_timeout", float, 900.0, "Seconds an SGLang server may take to answer /health_generate.",

@@ -339,3 +339,44 @@ def test_allgather_cp_is_refused_only_with_context_parallelism(workdir):
     with pytest.raises(ConfigError, match="^--allgather-cp is not supported by slime-core: with "
                                           "--context-parallel-size > 1"):
         _parse(BASE + ["--allgather-cp", "--context-parallel-size", "2"])
+
+
+def test_an_external_router_takes_the_engines_and_custom_functions_use_it(tiny_checkpoint, user_dir, tmp_path):
+    """slime's --sglang-router-ip/port: the run starts no router; its engines register with the one given (a real
+    sglang-router the test started), slime's custom generate function posts to args.sglang_router_ip/port and is
+    answered through it, and when the run ends the router is still up, without the run's engines."""
+    from slimecore.engines.router import Router
+
+    (tmp_path / "prompts.jsonl").write_text("".join(json.dumps({"input": f"Count to {i}:"}) + "\n" for i in range(4)))
+    (tmp_path / "custom.yaml").write_text(f"call_log: {tmp_path / 'calls.jsonl'}\n")
+    (tmp_path / "my_slime_functions.py").write_text((FUNCTIONS / "my_slime_functions.py").read_text())
+    router = Router([], log_dir=str(tmp_path)).spawn()
+    try:
+        router.wait_ready(0)
+        proc = subprocess.run(
+            [sys.executable, "-m", "slimecore_cli", "train", "--advantage-estimator", "grpo", "--hf-checkpoint",
+             str(tiny_checkpoint), "--prompt-data", "prompts.jsonl", "--rollout-batch-size", "2",
+             "--n-samples-per-prompt", "2", "--rollout-max-response-len", "4", "--num-rollout", "1",
+             "--log-dir", str(tmp_path / "run"), "--no-use-tensorboard", "--custom-config-path", "custom.yaml",
+             "--custom-generate-function-path", M + "generate", "--rm-type", "random",
+             "--sglang-router-ip", "127.0.0.1", "--sglang-router-port", str(router.port)],
+            cwd=tmp_path, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+        assert {c["router"] for c in calls if c["what"] == "generate"} == {f"{router.url}/generate"}
+        assert sum(c["what"] == "generate" for c in calls) == 4
+        assert router.running and router.list_workers() == []  # the run took its engines out again
+    finally:
+        router.stop()
+
+
+def test_an_external_router_that_does_not_answer_stops_the_run_before_ray(tmp_path, tiny_checkpoint):
+    from slimecore.engines.router import free_port
+
+    port = free_port()
+    proc = subprocess.run([sys.executable, "-m", "slimecore_cli", "train", "--advantage-estimator", "grpo",
+                           "--hf-checkpoint", str(tiny_checkpoint), "--rollout-batch-size", "2", "--num-rollout", "1",
+                           "--sglang-router-ip", "127.0.0.1", "--sglang-router-port", str(port)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert f"no sglang-router answers at http://127.0.0.1:{port}" in " ".join(proc.stderr.split())

@@ -331,6 +331,15 @@ def _check_function(config, flag: str, path: str) -> None:
 
 @hookimpl
 def slime_startup(config, process):
+    if process == "driver" and config.sglang_router_ip:  # before Ray: the external router must answer
+        from slimecore.http_client import http_request
+
+        url = f"http://{config.sglang_router_ip}:{config.sglang_router_port}"
+        try:
+            http_request("GET", url + "/health", timeout=5)
+        except OSError as exc:
+            raise ConfigError(f"--sglang-router-ip/--sglang-router-port: no sglang-router answers at {url} ({exc}); "
+                              "start it first, or drop both flags and slime-core starts its own") from None
     if process == "driver":  # slime's --wandb-* flags, as the environment wandb.init reads
         for name, env in WANDB_ENV.items():
             if _opt(config, name):

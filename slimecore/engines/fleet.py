@@ -249,7 +249,7 @@ class EngineFleet:
             try:
                 self.router.add_worker(url, timeout=self.check_timeout + 60)
             except (OSError, RuntimeError):
-                if self.router.process.poll() is None:
+                if self.router.process is None or self.router.process.poll() is None:  # up, or not ours
                     raise
                 if url not in self.router.worker_urls:
                     self.router.worker_urls.append(url)

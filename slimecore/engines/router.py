@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import logging
 import os
 import re
 import signal
@@ -21,6 +22,8 @@ import time
 from pathlib import Path
 
 from slimecore.http_client import http_json, http_request  # noqa: F401 (importable from here too)
+
+log = logging.getLogger("slimecore.router")
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -85,12 +88,15 @@ class Router:
     """One sglang-router subprocess (own process group, killed on ``stop``), logging to ``log_path``.
 
     ``Router(urls).start()`` returns once ``/readiness`` reports every worker healthy, or raises
-    TimeoutError naming the workers that are not, with their ``/health`` answers and the log tail."""
+    TimeoutError naming the workers that are not, with their ``/health`` answers and the log tail.
+
+    ``external=True``: a router someone else runs at ``host:port`` (slime's ``--sglang-router-ip/port``): no
+    process is started or killed; ``stop`` takes this run's workers out of it again."""
 
     def __init__(self, worker_urls: list[str], policy: str = "round_robin", host: str = "127.0.0.1",
                  port: int | None = None, startup_timeout: float = 120, log_dir: str | None = None,
-                 health_check_interval: int = 60, api_key: str | None = None):
-        self.worker_urls, self.policy, self.host = list(worker_urls), policy, host
+                 health_check_interval: int = 60, api_key: str | None = None, external: bool = False):
+        self.worker_urls, self.policy, self.host, self.external = list(worker_urls), policy, host, external
         # the router's --api-key: clients must send it, and the router sends it to the workers (SGLang's --api-key)
         self.api_key = api_key
         self.port = port or free_port()
@@ -115,6 +121,8 @@ class Router:
     def spawn(self) -> Router:
         """Start the router's process and return at once (``start`` waits for it): a router spawned with no
         workers while the engines load is up when they are, and takes them with ``add_worker``."""
+        if self.external:
+            return self
         args = [sys.executable, "-m", "slimecore.engines.router_process", "--host", self.host, "--port", str(self.port),
                 "--policy", self.policy, "--log-level", "warn", "--prometheus-port", str(free_port()),
                 "--worker-startup-timeout-secs", str(max(1, int(self.startup_timeout))),
@@ -128,8 +136,8 @@ class Router:
 
     @property
     def running(self) -> bool:
-        """Its process was started and has not exited."""
-        return self.process is not None and self.process.poll() is None
+        """Its process was started and has not exited (an external router: assumed up, requests tell)."""
+        return self.external or (self.process is not None and self.process.poll() is None)
 
     def log_tail(self, lines: int = 20) -> str:
         """The last lines of the router's log, without its terminal colour codes."""
@@ -142,7 +150,7 @@ class Router:
         deadline = time.time() + timeout
         healthy = 0
         while time.time() < deadline:
-            if self.process.poll() is not None:
+            if self.process is not None and self.process.poll() is not None:
                 raise RuntimeError(f"sglang-router exited with code {self.process.returncode}; "
                                    f"log tail:\n{self.log_tail()}")
             try:
@@ -207,8 +215,18 @@ class Router:
     def restart(self) -> Router:
         """Start the router again on the same port with the current workers (after its process died), so
         clients keep their URL."""
+        if self.external:
+            raise RuntimeError(f"the external sglang-router at {self.url} (--sglang-router-ip/port) stopped answering; "
+                               "slime-core does not restart a router it did not start")
         self.stop()
         return self.start()
 
     def stop(self) -> None:
+        if self.external:  # leave the router as it was: without this run's engines
+            for url in list(self.worker_urls):
+                try:
+                    self.remove_worker(url, timeout=10)
+                except (OSError, ValueError, RuntimeError, TimeoutError) as exc:
+                    log.warning("could not take %s out of the external router at %s: %s", url, self.url, exc)
+            return
         stop_process_group(self.process, getattr(self, "_log", None))

@@ -86,6 +86,9 @@ class RolloutManager:
 
         # agent sessions send their id as the router's routing key; the manual policy keeps a key on one engine
         policy = "manual" if self.hooks.implementers("slime_agent") else "round_robin"
+        if self.config.sglang_router_ip:  # slime's --sglang-router-ip/port: the engines join that router
+            return Router([], host=self.config.sglang_router_ip, port=self.config.sglang_router_port,
+                          api_key=self.api_key, policy=policy, external=True)
         return Router([], host=self.router_bind, api_key=self.api_key, policy=policy).spawn()
 
     def _start_engines(self, engines: list, router) -> None:
@@ -105,6 +108,7 @@ class RolloutManager:
         repair = c.rollout_health_check_interval + c.rollout_health_check_timeout + 60
         retries = 6 + math.ceil(repair / 10)
         self.client = RolloutClient(self.router.url, tokenizer=self.tokenizer, api_key=self.api_key,
+                                    timeout=c.sglang_router_request_timeout_secs,
                                     max_retries=retries if c.use_fault_tolerance else 5)
 
     @property

@@ -34,7 +34,7 @@ async def generate(args, sample: Sample, sampling_params) -> Sample:
     items = output["meta_info"]["output_token_logprobs"]
     sample.append_response_tokens(args, tokens=[item[1] for item in items], log_probs=[item[0] for item in items],
                                   trainable=True, meta_info=output["meta_info"], text=output["text"])
-    _log(args, "generate", status=sample.status.value, max_new_tokens=sampling_params["max_new_tokens"])
+    _log(args, "generate", status=sample.status.value, max_new_tokens=sampling_params["max_new_tokens"], router=url)
     return sample
 
 
