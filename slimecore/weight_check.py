@@ -44,12 +44,15 @@ class WeightCheckError(RuntimeError):
     weight version and the first differing tensors."""
 
 
-def tensor_checksum(tensor: torch.Tensor) -> str:
-    """16 hex digits: SGLang's own hash for a CUDA tensor (what an SGLang engine reports), xxh3-64 of the
-    bytes for a CPU tensor (what the embedded engine reports)."""
+def tensor_checksum(tensor: torch.Tensor) -> str | None:
+    """16 hex digits: SGLang's own hash for a CUDA tensor (what an SGLang engine reports; None where this process
+    cannot import sglang, and the tensor is then not compared), xxh3-64 of the bytes for a CPU tensor (what the
+    embedded engine reports)."""
     if tensor.is_cuda:
-        from sglang.srt.managers.mm_utils import tensor_hash
-
+        try:
+            from sglang.srt.managers.mm_utils import tensor_hash
+        except ImportError:
+            return None
         return f"{tensor_hash(tensor):016x}"
     import torch
     import xxhash
@@ -68,7 +71,8 @@ def checksums(named: Iterable[tuple[str, torch.Tensor]], only_1d: bool = False) 
         key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
         if key not in done:
             done[key] = tensor_checksum(tensor)
-        out[name] = done[key]
+        if done[key] is not None:
+            out[name] = done[key]
     return out
 
 
