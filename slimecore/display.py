@@ -134,8 +134,8 @@ class RunDisplay:
         label = f"step {rollout_id + 1}: {words}" if name != "export" else words
         if self.progress:
             self.progress.update(self.task, stage=label)
-        elif self.level <= logging.DEBUG or (self.level <= logging.INFO and not self.seen_step):
-            self.console.print(f"[dim]{escape(label)}[/]", highlight=False)  # the first step's waits at info
+        elif self.level <= logging.DEBUG or (self.level <= logging.INFO and (not self.seen_step or name == "export")):
+            self.console.print(f"[dim]{escape(label)}[/]", highlight=False)  # the first step's and the end's waits
 
     def eta(self, done: int, total: int) -> float | None:
         """Mean step time so far times the steps left (start-up is not a step)."""

@@ -171,9 +171,11 @@ def test_plain_lines_when_not_a_terminal_and_log_levels():
             display.stage("generate", rollout_id)
             display.stage("train", rollout_id)
             display.step(rollout_id, 4, STEP)
+        display.stage("export", 4)
     assert [line for line in info.getvalue().splitlines() if not line.startswith("step 1/4") and
             not line.startswith("step 2/4")] == ["starting engines and trainers (Ray, the router, the model on every "
-                                                 "process)", "step 1: generating", "step 1: training"]
+                                                 "process)", "step 1: generating", "step 1: training",
+                                                 "writing the final model"]
     quiet = io.StringIO()
     with RunDisplay(Console(file=quiet), total=4, level="warning") as display:
         display.stage("generate", 0)
