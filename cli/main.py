@@ -58,7 +58,7 @@ def train(ctx):
     except (ConfigError, PluginError, FileNotFoundError, ValueError) as exc:
         _fail(exc)
     from slimecore.display import RunDisplay
-    from slimecore.loop import run
+    from slimecore.loop import interrupted_by, run
 
     run_dir = prepared.run_dir
     console.print(f"run folder: {run_dir} (config.yaml replays this run: slime-core train --config "
@@ -68,7 +68,10 @@ def train(ctx):
         with display:
             run(config, hooks, on_step=display.step, on_stage=display.stage)
     except KeyboardInterrupt as exc:
-        name = str(exc) or "SIGINT"
+        import ray
+
+        ray.shutdown()  # Ray's log monitor stops: no line the killed actors left is printed after the message
+        name = interrupted_by(exc)
         console.print(f"[bold red]interrupted ({name}):[/] the step in flight was abandoned; engines, router and "
                       "actors were stopped" + (f"; resume with --load {config.save}" if config.save else ""))
         sys.exit(128 + getattr(signal, name, signal.SIGINT))

@@ -235,8 +235,19 @@ def _import_on_a_thread(module: str) -> None:
 
 
 class RunInterrupted(KeyboardInterrupt):
-    """SIGTERM: handled like Ctrl-C (SIGINT), so the run ends the same way."""
+    """SIGTERM: handled like Ctrl-C (SIGINT), so the run ends the same way. ``str()`` is the signal's name."""
+
+
+_RECEIVED: list[str] = []  # the signals _interrupt turned into RunInterrupted
 
 
 def _interrupt(signum, frame):
-    raise RunInterrupted(signal.Signals(signum).name)
+    _RECEIVED.append(signal.Signals(signum).name)
+    raise RunInterrupted(_RECEIVED[-1])
+
+
+def interrupted_by(exc: KeyboardInterrupt) -> str:
+    """The signal that interrupted the run. Ray's ``get`` turns a KeyboardInterrupt raised by a signal handler
+    while it waits into a bare one, without the name, so the last signal ``_interrupt`` received counts; else
+    SIGINT (Ctrl-C, which Python raises itself)."""
+    return str(exc) or (_RECEIVED[-1] if _RECEIVED else "SIGINT")

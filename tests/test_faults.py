@@ -94,6 +94,28 @@ def _sync_reward(tmp_path: Path, tiny: Path) -> list[str]:
     return ["--plugin", str(plugin)]
 
 
+def _latin1(tmp_path: Path) -> list[str]:
+    (tmp_path / "latin1.jsonl").write_bytes(b'{"input": "ok", "label": "1"}\n{"input": "caf\xe9", "label": "1"}\n')
+    return ["--prompt-data", str(tmp_path / "latin1.jsonl"), "--label-key", "label", "--rm-type", "math"]
+
+
+def _parquet_of_int_lists(tmp_path: Path, tiny: Path) -> list[str]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"input": [[1, 2, 3], [4, 5]], "label": ["a", "b"]}), tmp_path / "ids.parquet")
+    return ["--prompt-data", str(tmp_path / "ids.parquet"), "--label-key", "label", "--rm-type", "math"]
+
+
+def _router_without_binary(tmp_path: Path, tiny: Path) -> list[str]:
+    """An ``sglang_router`` package without its compiled router, found first (``SHADOW`` is on the path)."""
+    package = tmp_path / SHADOW / "sglang_router"
+    package.mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    return []
+
+
+SHADOW = "shadow"  # a folder of each case's tmp_path put first on PYTHONPATH: packages there hide installed ones
 BEFORE_RAY = {
     "malformed jsonl line": (lambda t, c: _own_data(t, lines=["{not json\n"]),
                              ["data.jsonl, line 5: invalid JSON", "each line must be one JSON object"]),
@@ -105,8 +127,24 @@ BEFORE_RAY = {
     "missing prompt file": (lambda t, c: ["--prompt-data", str(t / "nope.jsonl"), "--rm-type", "math"],
                             ["nope.jsonl does not exist", "check the path"]),
     "bad parquet column": (lambda t, c: _parquet(t), ["data.parquet, row 1: no key 'input'", "set --input-key"]),
-    "bad slice": (lambda t, c: ["--prompt-data", _jsonl(t / "d.jsonl", ROWS) + "@[10:20]", "--rm-type", "math"],
+    "bad slice": (lambda t, c: ["--prompt-data", _jsonl(t / "d.jsonl", ROWS) + "@[4:4]", "--rm-type", "math"],
                   ["the slice selects none of the 4 rows", "use a range within 0..4"]),
+    "slice past the file's rows": (lambda t, c: ["--prompt-data", _jsonl(t / "d.jsonl", ROWS * 5) + "@[15:100]",
+                                                 "--rm-type", "math"],
+                                   ["--prompt-data", "d.jsonl@[15:100]': the slice reaches row 100 but",
+                                    "has 20 rows", "@[15:]"]),
+    "non-UTF-8 bytes in the jsonl": (lambda t, c: _latin1(t), ["latin1.jsonl, line 2: not UTF-8 (byte 0xe9 at column",
+                                                                "save the file as UTF-8"]),
+    "parquet column of int lists": (_parquet_of_int_lists, ["ids.parquet, row 1: 'input' must be a string or a list of "
+                                                            "chat messages", "got a list of 3 int values"]),
+    "unwritable --log-dir": (lambda t, c: ["--log-dir", _jsonl(t / "file.jsonl", []) + "/run"],
+                             ["--log-dir", "file.jsonl/run: cannot create it", "give a --log-dir you can write to"]),
+    "response longer than the model's context": (
+        lambda t, c: ["--rollout-max-response-len", "100000"],
+        ["--rollout-max-response-len 100000 does not fit the model's context of 512 tokens",
+         "Give --rollout-max-response-len"]),
+    "sglang-router without its compiled router": (_router_without_binary, [
+        "compiled router (sglang_router.sglang_router_rs) is not installed", "pip install --force-reinstall"]),
     "bad chat role": (lambda t, c: _own_data(t, rows=[{"input": [{"role": "human", "content": "hi"}], "label": "1"}])
                       + ["--apply-chat-template"], ["message 1 has role 'human'", "among system, user, assistant"]),
     "corrupt --hf-checkpoint": (_corrupt_checkpoint, ["config.json cannot be loaded", "restore it"]),
@@ -131,12 +169,13 @@ def test_bad_input_fails_before_ray_with_one_clear_message(case, tiny_checkpoint
     make_args, expected = BEFORE_RAY[case]
     args = _args(tiny_checkpoint, tmp_path, *make_args(tmp_path, tiny_checkpoint))
     cpu_before = _children_cpu()
-    proc, seconds, stderr = _train(args, timeout(10))
+    proc, seconds, stderr = _train(args, timeout(10), env={"PYTHONPATH": str(tmp_path / SHADOW)})
     cpu = _children_cpu() - cpu_before
     assert proc.returncode == 2, proc.stderr[-3000:]
     for text in expected:
         assert text in stderr, (text, proc.stderr[-3000:])
     assert "Started a local Ray instance" not in stderr and "Traceback" not in stderr
+    assert proc.stderr.count("error:") == 1, proc.stderr[-3000:]  # one message
     # under 10 s: the command's own CPU time, which other jobs on the machine do not stretch; its wall time
     # (which they do: 10-14 s at load 10-14 on 2 cores) only within 10 s per unit of load per core
     assert cpu < timeout(10), f"{case}: used {cpu:.1f}s of CPU before failing"
@@ -319,6 +358,7 @@ def test_sigterm_mid_run_stops_everything_within_15s(tiny_checkpoint, tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 128 + signal.SIGTERM, stderr[-3000:]
     assert "interrupted (SIGTERM): the step in flight was abandoned" in " ".join(stderr.split())
+    assert stderr.rstrip().splitlines()[-1].startswith("interrupted (SIGTERM)"), stderr[-3000:]  # nothing after it
     assert seconds < timeout(15), f"exited {seconds:.1f}s after SIGTERM"
     time.sleep(1)  # processes reparented to init are reaped asynchronously
     left = _marked_processes(mark)
