@@ -53,6 +53,7 @@ CONTEXT = {
     **{("--advantage-estimator", e): ["--normalize-advantages"]  # slime asserts it for both REINFORCE++ variants
        for e in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")},
     "--use-dynamic-batch-size": ["--max-tokens-per-gpu", "64"], "--kl-loss-coef": ["--use-kl-loss"],
+    "--opd-kl-coef": ["--opd-teacher-urls", "default=http://127.0.0.1:1"],  # the opd plugin needs a teacher
     "--mtp-num-layers": ["--train-backend", "megatron"], "--mtp-loss-scaling-factor": ["--train-backend", "megatron"],
 }
 # values of a same or mapped flag that slime-core refuses, with what to use (the table's text says so)
@@ -161,7 +162,7 @@ MAPPED = {  # each mapped flag: what the parser must have made of (value)
 @pytest.mark.parametrize("name", sorted(FLAGS))
 def test_slime_core_train_parses_the_flag_as_its_fate_says(name, workdir):
     flag, fate = FLAGS[name], SLIME_FLAGS[name]
-    plugin = ["--plugin", fate.plugin] if fate.plugin in ("grpo", "ppo") else []
+    plugin = ["--plugin", fate.plugin] if fate.plugin in ("grpo", "ppo", "opd") else []
     base = BASE + plugin + CONTEXT.get(name, [])
     baseline = _baseline(tuple(base))
     for words in _values(flag):
@@ -255,7 +256,7 @@ def test_a_refused_flag_stops_the_run_before_ray_with_one_line(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert " ".join(proc.stderr.split()).startswith("error: --use-opd is not supported by slime-core: on-policy "
-                                                    "distillation is not implemented; instead: ")
+                                                    "distillation is the opd plugin's; instead: --plugin opd ")
     assert not (tmp_path / "runs").exists()  # stopped before the run folder, Ray, or a model
 
 

@@ -167,9 +167,14 @@ SLIME_FLAGS.update({
                "--memory-snapshot-num-steps", "--profile-target", "--record-memory-history"),
     **_refused("the model bridge is chosen from config.json's architecture", _DROP, "--model-name"),
     **_refused("no multimodal prompts", "text prompts (--input-key)", "--multimodal-keys"),
-    **_refused("on-policy distillation is not implemented", "a plugin whose slime_reward or slime_loss uses a "
-               "teacher", "--use-opd", "--opd-type", "--opd-kl-coef", "--opd-teacher-load",
-               "--opd-teacher-ckpt-step"),
+    **_same("opd-kl-coef", plugin="opd", text="the weight of the teacher's term in the advantages"),
+    **_refused("on-policy distillation is the opd plugin's", "--plugin opd with --opd-teacher NAME=HF_CHECKPOINT "
+               "(the run starts that teacher) or --opd-teacher-urls NAME=URL", "--use-opd", "--opd-teacher-load"),
+    **_refused("the opd plugin asks its teachers through SGLang's /generate (slime's sglang type); a megatron "
+               "teacher in the trainer is not implemented", "--plugin opd --opd-teacher NAME=HF_CHECKPOINT",
+               "--opd-type"),
+    **_refused("a checkpoint step is not chosen inside a teacher's checkpoint", "--opd-teacher NAME=DIR with the "
+               "HF directory itself", "--opd-teacher-ckpt-step"),
     **_refused("off-policy sequence masking is not implemented", "--use-tis --tis-mode icepop (token-level masking)",
                "--use-opsm", "--opsm-delta"),
     **_refused("the vocabulary size comes from config.json", _DROP, "--padded-vocab-size"),
