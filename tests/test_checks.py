@@ -139,3 +139,30 @@ def test_check_flags_and_sglang_determinism_pass_through():
         parse_config(base + ["--check-weights", "sometimes"], [], {})
     with pytest.raises(ConfigError, match="--max-logprob-mismatch must be > 0"):
         parse_config(base + ["--max-logprob-mismatch", "0"], [], {})
+
+
+# -- the sentinel's comparison for SGLang engines (their server cannot run here) ------------------------------
+def test_sglang_engines_compare_the_tensors_they_keep_by_name_and_agree_with_each_other():
+    """An SGLang engine reports its fused tensors (qkv_proj) under its own names: only the trainer's names it
+    reports (the 1-D norms) are compared; a stale norm is named; engines of one layout must agree."""
+    import torch
+
+    from slimecore.weight_check import WeightCheckError, check_answers, checker_response, checksum_info, checksums
+
+    norm, q = torch.ones(4), torch.randn(4, 4)
+    expected = checksums([("model.norm.weight", norm), ("model.layers.0.self_attn.q_proj.weight", q)], only_1d=True)
+    assert list(expected) == ["model.norm.weight"]
+    fused = torch.cat([q, q, q])
+    served = checker_response([checksum_info([("model.norm.weight", norm),
+                                              ("model.layers.0.self_attn.qkv_proj.weight", fused)])])
+    assert check_answers(expected, {"http://a": served, "http://b": served}, "3", every_name=False) == 1
+    stale = checker_response([checksum_info([("model.norm.weight", norm * 2),
+                                             ("model.layers.0.self_attn.qkv_proj.weight", fused)])])
+    with pytest.raises(WeightCheckError, match=r"engine http://b does not hold the weights v3 .*first model\.norm"):
+        check_answers(expected, {"http://a": served, "http://b": stale}, "3", every_name=False)
+    other = checker_response([checksum_info([("model.norm.weight", norm),
+                                             ("model.layers.0.self_attn.qkv_proj.weight", fused + 1)])])
+    with pytest.raises(WeightCheckError, match="engines report different weights"):
+        check_answers(expected, {"http://a": served, "http://b": other}, "3", every_name=False)
+    with pytest.raises(WeightCheckError, match="did not report a weight checksum.*--check-weights never"):
+        check_answers(expected, {"http://a": {"error": {"message": "Not Found"}}}, "3", every_name=False)
