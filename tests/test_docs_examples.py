@@ -1,4 +1,4 @@
-"""Every `slime-core ...` command shown in README.md and docs/ parses with the real command line: `train` through
+"""Every `slime-core ...` command shown in README.md, docs/ and the plugins' READMEs parses with the real command line: `train` through
 the parser `slime-core train` uses (plugins loaded, their options included, the config validated), the other
 commands through click. A flag renamed or removed in the code fails here, naming the file and line."""
 
@@ -17,7 +17,7 @@ from slimecore_cli.help import train_help
 from slimecore_cli.main import cli, train_plugins
 
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("plugins/*/README.md"))]
 # Shapes of a command rather than commands: alternatives, an optional part, an arrow of a diagram. A bare "..."
 # (more flags of the user's) is left out and the rest parsed.
 SHAPE = re.compile(r"\[[^\]@]*\]|\||\s->\s")
@@ -43,11 +43,11 @@ def examples() -> list[tuple[str, str]]:
                     line = line[:-1] + " " + lines[i].strip()
                 command = _command(line)
                 if command:
-                    found.append((f"{path.name}:{start + 1}", command, False))
+                    found.append((f"{path.relative_to(ROOT)}:{start + 1}", command, False))
             i += 1
         for match in re.finditer(r"`(slime-core [^`]+)`", text):
             line = text[:match.start()].count("\n") + 1
-            found.append((f"{path.name}:{line}", match.group(1), True))
+            found.append((f"{path.relative_to(ROOT)}:{line}", match.group(1), True))
     return found
 
 
@@ -101,7 +101,7 @@ def test_every_cli_example_in_the_readme_and_docs_parses(tmp_path, monkeypatch):
     for where, command, inline in shown:
         if SHAPE.search(command):
             continue
-        plugins = re.findall(r"--plugin\s+([\w.-]+)", command)
+        plugins = re.findall(r"--plugin\s+(\S+)", command)
         if any(p not in installed and not p.endswith(".py") for p in plugins):
             continue  # a plugin named for illustration that this environment does not install
         try:
