@@ -99,7 +99,7 @@ def train_help(hooks, declared: dict[str, list[Option]], every: bool = False, wi
     from slimecore.config import collect_plugin_options
     from slimecore.data.tasks import TASKS
 
-    width = width or min(120, max(70, shutil.get_terminal_size((100, 24)).columns))
+    width = width or min(120, max(60, shutil.get_terminal_size((100, 24)).columns))
     quickstart = {name: (value, "quick start") for name, value in TASKS[_default_task()].recommended.items()}
     for plugin, values in hooks.slime_quickstart_options().items():
         quickstart.update({name: (value, f"plugin {plugin!r}") for name, value in values.items()})
@@ -121,12 +121,12 @@ def train_help(hooks, declared: dict[str, list[Option]], every: bool = False, wi
                 hidden["advanced"] += 1
         else:
             rows["algorithm plugin"].append((option, f"{option.help} ({', '.join(owners)})"))
-    out = ["usage: slime-core train [--plugin NAME ...] [--config FILE] [options]", "",
-           "  --plugin NAME                   An installed plugin (`slime-core plugins`), a module or a .py file;",
-           "                                  repeat it for several. Its options are listed under 'algorithm plugin'.",
-           "  --config FILE                   A YAML file of options (a run folder's config.yaml replays that run);",
-           "                                  the command line overrides it.",
-           "  --help-all                      Every option, Megatron's and SGLang's pass-through flags included."]
+    out = ["usage: slime-core train [--plugin NAME ...] [--config FILE] [options]", ""]
+    out += _lines("--plugin NAME", "An installed plugin (`slime-core plugins`), a module or a .py file; repeat it "
+                  "for several. Its options are listed under 'algorithm plugin'.", width)
+    out += _lines("--config FILE", "A YAML file of options (a run folder's config.yaml replays that run); the "
+                  "command line overrides it.", width)
+    out += _lines("--help-all", "Every option, Megatron's and SGLang's pass-through flags included.", width)
     for name in SECTIONS:
         if not rows[name] and not hidden[name]:
             continue

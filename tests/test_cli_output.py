@@ -126,6 +126,12 @@ def test_train_help_is_short_grouped_and_shows_each_type_and_default():
     assert "-> transformer.num_layers" in _option_text(every, "--num-layers INT")  # Megatron's pass-through
     assert "--rollout-function-path TEXT" in every and "--rollout-function-path" not in text  # advanced: all only
     assert "sglang (--rollout-engine sglang" in every
+    from slimecore.plugins import load_plugins
+    from slimecore_cli.help import train_help
+
+    hooks = load_plugins(["grpo"])
+    narrow = train_help(hooks, hooks.slime_options(), width=80)
+    assert max(len(line) for line in narrow.splitlines()) <= 80  # wrapped to the terminal
 
 
 def test_the_live_bar_at_80_columns_keeps_the_step_count_and_times_whole():
