@@ -103,6 +103,7 @@ def test_length_finish_shapes_and_logprob_values(embedded_engine):
     assert meta["finish_reason"] == {"type": "length", "length": 6}
     assert meta["completion_tokens"] == 6 == len(out["output_ids"]) and meta["prompt_tokens"] == 3
     assert meta["cached_tokens"] == 0 and meta["weight_version"] == "default" and meta["e2e_latency"] > 0
+    assert meta["reasoning_tokens"] == 0  # SGLang sends it always: 0 unless require_reasoning on a thinking model
     assert meta["input_token_logprobs"] == [] and len(meta["id"]) == 32
     # full-vocabulary log_softmax(logits / T): no renormalisation over the top-k kept tokens
     assert_logprobs_match(server, [5, 6, 7], out, temperature=0.7)
@@ -169,6 +170,31 @@ def test_invalid_sampling_params_get_400(embedded_engine, params, words):
     status, body = http_json("POST", embedded_engine.url + "/generate",
                              {"input_ids": [1, 2], "sampling_params": params})
     assert status == 400 and words in body["error"]["message"]
+
+
+def test_reasoning_tokens_count_to_the_end_of_thinking(embedded_engine, monkeypatch):
+    server = embedded_engine
+    greedy = {"max_new_tokens": 5, "ignore_eos": True, "temperature": 0}
+    ids = generate(server, **greedy)["output_ids"]
+    monkeypatch.setattr(server, "think_end_id", ids[2])  # as if the third token were the model's </think>
+    body = {"input_ids": [5, 6, 7], "sampling_params": greedy, "require_reasoning": True}
+    status, out = http_json("POST", server.url + "/generate", body)
+    assert status == 200 and out["output_ids"] == ids
+    assert out["meta_info"]["reasoning_tokens"] == ids.index(ids[2]) + 1
+    assert http_json("POST", server.url + "/generate", {**body, "require_reasoning": False})[1]["meta_info"][
+        "reasoning_tokens"] == 0
+
+
+def test_a_body_that_is_not_utf8_gets_400(embedded_engine):
+    import urllib.error
+    import urllib.request
+
+    request = urllib.request.Request(embedded_engine.url + "/generate", b'{"text": "caf\xe9"}',
+                                     {"Content-Type": "application/json"})
+    with pytest.raises(urllib.error.HTTPError) as caught:
+        urllib.request.urlopen(request, timeout=60)
+    assert caught.value.code == 400
+    assert "not UTF-8 (byte 0xe9 at offset 13)" in caught.value.read().decode()
 
 
 def test_invalid_bodies_get_400_and_router_fields_are_ignored(embedded_engine):

@@ -71,6 +71,15 @@ ABORTED = {"type": "abort", "message": "Aborted", "status_code": None, "err_type
 ABORTED_WAITING = {"type": "abort", "message": "Abort in waiting queue"}
 
 
+def _reasoning_tokens(req: Request) -> int:
+    """SGLang's ``meta_info.reasoning_tokens``: with ``require_reasoning`` and a model that has a ``</think>`` token,
+    the output tokens up to and including the first one (all of them while it has not come); else 0."""
+    if req.think_end is None:
+        return 0
+    ids = req.output_ids
+    return ids.index(req.think_end) + 1 if req.think_end in ids else len(ids)
+
+
 @dataclass(eq=False)  # identity: the queues find and remove requests with ``in`` / ``remove``
 class Request:
     """One ``/generate`` call, from submission to its response."""
@@ -87,6 +96,7 @@ class Request:
     input_logprobs: list[float | None] = field(default_factory=list)
     finish_reason: dict | None = None
     aborted: bool = False  # set by /abort_request; the decode loop finishes the row after its current step
+    think_end: int | None = None  # the model's end-of-thinking token, when the request set require_reasoning
     created: float = field(default_factory=time.perf_counter)
     on_done: Callable[[], None] | None = None  # called once, on the finishing thread, after ``done`` is set
 
@@ -400,6 +410,7 @@ class EmbeddedServer:
         # transformers >= 5.2x names the KV cache ``cache`` (argument and output); older ones ``past_key_values``
         self.cache_name = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.context_len = getattr(self.model.config, "max_position_embeddings", None) or 4096
+        self.think_end_id = self.tokenizer.get_vocab().get("</think>")  # as SGLang's model config finds it
         sources = [self.model.config.eos_token_id, self.tokenizer.eos_token_id]
         if (Path(self.model_path) / "generation_config.json").is_file():
             sources.append(GenerationConfig.from_pretrained(self.model_path).eos_token_id)
@@ -675,7 +686,8 @@ class EmbeddedServer:
         rid = body.get("rid") or f"{self._rid_prefix}{next(self._rid_count):016x}"  # 32 hex digits, as uuid4().hex
         if not isinstance(rid, str):
             raise BadRequest("rid must be a string")
-        return Request(rid, list(ids), params, bool(body.get("return_logprob")), start, stop_ids)
+        return Request(rid, list(ids), params, bool(body.get("return_logprob")), start, stop_ids,
+                       think_end=self.think_end_id if body.get("require_reasoning") else None)
 
     def submit(self, request: Request) -> Request:
         """Queue a request (held aside while paused); ``request.done`` is set when its response is ready."""
@@ -1021,7 +1033,8 @@ class EmbeddedServer:
                      else (m.start() if (m := re.search(matched, text)) else -1))
             text = text[:found] if found >= 0 else text
         meta = {"id": req.rid, "finish_reason": req.finish_reason, "weight_version": self.weight_version,
-                "completion_tokens": len(ids), "e2e_latency": time.perf_counter() - req.created}
+                "completion_tokens": len(ids), "reasoning_tokens": _reasoning_tokens(req),
+                "e2e_latency": time.perf_counter() - req.created}
         if reason != ABORTED_WAITING:
             meta.update({"prompt_tokens": len(req.input_ids), "cached_tokens": 0, "num_retractions": 0})
         if req.return_logprob:

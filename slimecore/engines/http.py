@@ -40,6 +40,9 @@ def build_app(server) -> web.Application:
             return await request.json()
         except json.JSONDecodeError as exc:
             raise BadRequest(f"invalid JSON body: {exc}") from None
+        except UnicodeDecodeError as exc:
+            raise BadRequest(f"the body is not UTF-8 (byte 0x{exc.object[exc.start]:02x} at offset {exc.start}); "
+                             "send JSON encoded as UTF-8") from None
 
     @routes.get("/health")
     async def health(_):
