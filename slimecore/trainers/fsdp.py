@@ -133,6 +133,12 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
+def _per_sample(log_probs: torch.Tensor, entropy: torch.Tensor | None, sizes: list[int]) -> dict:
+    """A micro-batch's outputs: its (N,) log-probs and entropies split into the samples' (R_i,) pieces."""
+    return {"log_probs": list(log_probs.split(sizes)),
+            "entropy": list(entropy.split(sizes)) if entropy is not None else None}
+
+
 class FSDPBackend:
     """The fsdp ``TrainBackend`` of one rank (see ``slimecore.trainers.backend``). ``process_group``: the
     group to shard or all-reduce over (default: the world); ``shard``: FSDP2 (default: on CUDA with more
@@ -300,8 +306,7 @@ class FSDPBackend:
                 keep, column = torch.unique(rows_t, return_inverse=True)
                 out = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=keep)
                 log_probs, entropy = log_probs_and_entropy(out.logits[0, column], targets, temperature, with_entropy)
-        return {"log_probs": list(log_probs.split(split)),
-                "entropy": list(entropy.split(split)) if with_entropy else None}
+        return _per_sample(log_probs, entropy, split)
 
     def _forward_padded(self, tokens: list[list[int]], response_lengths: list[int], temperature: float,
                         with_entropy: bool) -> dict:
@@ -332,15 +337,13 @@ class FSDPBackend:
                 log_probs, entropy = linear_log_probs_and_entropy(
                     hidden[rows_b.to(self.device), rows_t.to(self.device)], lm_head.weight, targets, temperature,
                     with_entropy, bias=lm_head.bias, chunk_size=self.head_chunk)
-            return {"log_probs": list(log_probs.split(split)),
-                    "entropy": list(entropy.split(split)) if with_entropy else None}
+            return _per_sample(log_probs, entropy, split)
         keep, column = torch.unique(rows_t, return_inverse=True)  # (K,), (N,)
         with self._autocast():
             out = self.model(input_ids=ids.to(self.device), attention_mask=mask, logits_to_keep=keep.to(self.device))
         rows = out.logits[rows_b.to(self.device), column.to(self.device)]  # (N, V)
         log_probs, entropy = log_probs_and_entropy(rows, targets, temperature, with_entropy)
-        return {"log_probs": list(log_probs.split(split)),
-                "entropy": list(entropy.split(split)) if with_entropy else None}
+        return _per_sample(log_probs, entropy, split)
 
     def _plain_head(self) -> tuple[torch.nn.Module, torch.nn.Linear] | None:
         """The decoder and the ``nn.Linear`` head of a plain-head causal LM, unsharded (FSDP2 gathers the root's
