@@ -37,7 +37,7 @@ import pluggy
 from slimecore import answers, hookspecs
 from slimecore.config import Config, ConfigError, Option
 from slimecore.errors import HookCallError, PluginError  # defined there, importable from here
-from slimecore.rollout.watchdog import waiting
+from slimecore.watchdog import waiting
 
 if TYPE_CHECKING:
     import torch

@@ -20,8 +20,8 @@ from slimecore.errors import describe
 from slimecore.plugins import load_plugins
 from slimecore.rollout.groups import GroupRunner
 from slimecore.rollout.hook_args import SampleHooks
-from slimecore.rollout.watchdog import LoopThread, RolloutTimeoutError
 from slimecore.types import Sample, Status
+from slimecore.watchdog import LoopThread, RolloutTimeoutError
 
 
 def _group(n: int = 4, status: Status = Status.PENDING) -> list[Sample]:

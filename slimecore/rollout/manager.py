@@ -22,7 +22,7 @@ from slimecore.errors import check_reward_failures
 from slimecore.plugins import load_for_config
 from slimecore.raytools import ray_get
 from slimecore.rollout.hook_args import SampleHooks, buffer_filter
-from slimecore.rollout.watchdog import LoopThread
+from slimecore.watchdog import LoopThread
 from slimecore.runs import write_samples
 from slimecore.types import RolloutColumns, Sample, Status
 

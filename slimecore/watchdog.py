@@ -13,7 +13,8 @@ kept there; and a watchdog thread posts a heartbeat to the loop every second:
   the loop was stuck) at that moment, instead of ``asyncio``'s empty ``TimeoutError``.
 
 The hooks in flight are recorded by ``slimecore.plugins.Hooks``' guard (``waiting``), around every awaited
-hook call, with the plugin, the hook and the sample or group the call is for.
+hook call, with the plugin, the hook and the sample or group the call is for. The module imports nothing of
+slime-core, so the plugin loader, below the rollout, may use it.
 """
 
 from __future__ import annotations
