@@ -1,6 +1,7 @@
 """SGLang's weight-sync wire judged by SGLang's own code: the trainer's ``/update_weights_from_tensor`` body
 (flattened buckets of its exported weights, one payload per engine TP rank) is opened in another process by the
-installed ``sglang`` wheel's ``MultiprocessingSerializer`` and ``FlattenedTensorBucket`` (``tests/sglang_wire.py``)
+installed ``sglang`` wheel's ``MultiprocessingSerializer`` and ``FlattenedTensorBucket``
+(``slimecore.testing.sglang_wire``)
 and every tensor equals the trainer's bit for bit. On the CPU the flattened bucket travels as shared memory
 (torch's file_system strategy, as the sender sets it); on CUDA (marked gpu) as CUDA IPC handles."""
 
@@ -9,7 +10,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +20,6 @@ from slimecore.engines import weight_sync
 from slimecore.sglang_schema import sglang_root
 
 pytestmark = pytest.mark.skipif(sglang_root() is None, reason="the sglang wheel is not installed (scripts/setup.sh)")
-RECEIVER = Path(__file__).resolve().parent / "sglang_wire.py"
 
 
 def _payload_buffer(bucket, device: str) -> torch.Tensor | None:
@@ -54,7 +53,8 @@ def test_sglang_opens_the_trainers_flattened_buckets_bit_for_bit(tiny_checkpoint
         payloads = [weight_sync.serialize({"flattened_tensor": flat, "metadata": metadata}) for _ in range(2)]
         body_file, out_file = tmp_path / f"body{i}.json", tmp_path / f"digests{i}.json"
         body_file.write_text(json.dumps(weight_sync.tensor_body(payloads, "1")))  # two engine TP ranks
-        subprocess.run([sys.executable, str(RECEIVER), str(body_file), str(out_file)], check=True, timeout=300)
+        subprocess.run([sys.executable, "-m", "slimecore.testing.sglang_wire", str(body_file), str(out_file)],
+                       check=True, timeout=300)
         want = weight_sync.digest(bucket)
         for rank in json.loads(out_file.read_text()):
             assert rank["digests"] == want and rank["devices"] == [device]

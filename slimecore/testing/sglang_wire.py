@@ -1,7 +1,8 @@
-"""Test support: SGLang's own receiving end of ``/update_weights_from_tensor`` (``load_format="flattened_bucket"``),
-run in a process of its own, as an SGLang TP worker would open the trainer's payload.
+"""Test and benchmark support: SGLang's own receiving end of ``/update_weights_from_tensor``
+(``load_format="flattened_bucket"``), run in a process of its own, as an SGLang TP worker opens the trainer's
+payload (``tests/test_weight_wire.py``, ``benchmarks/weight_wire.py``).
 
-    python tests/sglang_wire.py BODY.json DIGESTS.json
+    python -m slimecore.testing.sglang_wire BODY.json DIGESTS.json
 
 reads the request body, opens each TP rank's payload with the installed ``sglang`` wheel's own
 ``MultiprocessingSerializer.deserialize`` (and its ``SafeUnpickler``), rebuilds the tensors through its
