@@ -128,12 +128,16 @@ def normalize_spec(spec: str) -> str:
     return spec
 
 
-def resolve(spec: str) -> PluginInfo:
-    """Import the plugin named by ``spec`` (entry-point name, dotted module or ``.py`` path)."""
+def resolve(spec: str, show_traceback: bool = True) -> PluginInfo:
+    """Import the plugin named by ``spec`` (entry-point name, dotted module or ``.py`` path); a failed import's
+    traceback is printed unless ``show_traceback`` is false (a Ray worker's: ``load_for_config``)."""
     def failed(what: str, exc: BaseException) -> PluginError:
         cause = "".join(traceback.format_exception_only(type(exc), exc)).strip()
+        if show_traceback:
+            traceback.print_exception(type(exc), exc, exc.__traceback__)
         return PluginError(f"plugin {spec!r} ({what}) failed to import: {cause}\n"
-                           f"Fix the error in the plugin, or drop --plugin {spec}. Full traceback above.")
+                           f"Fix the error in the plugin, or drop --plugin {spec}."
+                           + (" Full traceback above." if show_traceback else ""))
 
     if spec.endswith(".py") or os.sep in spec:
         path = Path(spec).expanduser().resolve()
@@ -142,7 +146,6 @@ def resolve(spec: str) -> PluginInfo:
         try:
             module = _import_file(path)
         except Exception as exc:
-            traceback.print_exc()
             raise failed(f"file {path}", exc) from exc
         return PluginInfo(path.stem, "file", module, location=str(path))
     entry_points = installed_entry_points()
@@ -151,7 +154,6 @@ def resolve(spec: str) -> PluginInfo:
         try:
             module = ep.load()
         except Exception as exc:
-            traceback.print_exc()
             raise failed(f"entry point {ep.value}", exc) from exc
         dist = ep.dist
         return PluginInfo(spec, "entry point", module, dist.name if dist else None, dist.version if dist else None,
@@ -162,10 +164,8 @@ def resolve(spec: str) -> PluginInfo:
         except ModuleNotFoundError as exc:
             if exc.name and spec.startswith(exc.name):
                 raise PluginError(_unknown_message(spec, entry_points)) from None
-            traceback.print_exc()
             raise failed("module", exc) from exc
         except Exception as exc:
-            traceback.print_exc()
             raise failed("module", exc) from exc
         return PluginInfo(spec, "built-in" if spec in DEFAULT_PLUGINS else "module", module,
                           location=getattr(module, "__file__", None))
@@ -533,12 +533,13 @@ class _PluginManager(pluggy.PluginManager):
         return {**opts, "tryfirst": first, "trylast": not first}
 
 
-def load_plugins(specs: Iterable[str], extra: Iterable[Any] = (), defaults: bool = True) -> Hooks:
+def load_plugins(specs: Iterable[str], extra: Iterable[Any] = (), defaults: bool = True,
+                 show_traceback: bool = True) -> Hooks:
     """Load the defaults, the plugins named by ``specs`` and ``extra`` objects; check them; return the facade.
 
     Every process that calls hooks calls this with the run's ``config.plugins``.
     """
-    infos = [resolve(spec) for spec in list(DEFAULT_PLUGINS if defaults else ()) + list(specs)]
+    infos = [resolve(spec, show_traceback) for spec in list(DEFAULT_PLUGINS if defaults else ()) + list(specs)]
     pm = _PluginManager({id(info.module) for info in infos if info.is_default})
     pm.add_hookspecs(hookspecs)
     seen: set[int] = set()
@@ -563,5 +564,28 @@ def load_plugins(specs: Iterable[str], extra: Iterable[Any] = (), defaults: bool
 
 
 def load_for_config(config: Config) -> Hooks:
-    """What every Ray process calls first: the same plugins as the driver, checked the same way."""
-    return load_plugins(config.plugins).bind(config)
+    """What every Ray process calls first: the same plugins as the driver, checked the same way. In a Ray worker a
+    plugin that does not load is one error (no traceback printed by each worker) saying it loaded in the driver,
+    which checked every plugin before Ray started, and where it did not."""
+    worker = _ray_worker()
+    try:
+        return load_plugins(config.plugins, show_traceback=worker is None).bind(config)
+    except PluginError as exc:
+        if worker is None:
+            raise
+        raise PluginError(f"{exc}\nIt loads in the driver (which checked it before Ray started) but not in this Ray "
+                          f"worker ({worker}): install what the plugin needs in the workers' Python environment on "
+                          "every node (or ship it with a Ray runtime_env)") from None
+
+
+def _ray_worker() -> str | None:
+    """Where this process runs when it is a Ray worker (an actor or task): host, pid and Python; else None."""
+    if "ray" not in sys.modules:
+        return None
+    import socket
+
+    from ray._private.worker import WORKER_MODE, global_worker
+
+    if global_worker.mode != WORKER_MODE:
+        return None
+    return f"host {socket.gethostname()}, pid {os.getpid()}, Python {sys.executable}"

@@ -37,6 +37,7 @@ def check_before_ray(config: Config, hooks: Hooks, roles: list):
     check_writable(config.log_dir, "--log-dir")
     files = check_prompt_files(config, hooks)
     check_reward_type(config, hooks)
+    check_reward_service(config)
     if config.starts_engines:
         check_router_installed()
     check_local_placement(config, roles)
@@ -243,6 +244,23 @@ def check_response_len(config: Config, prompt_tokens: int) -> None:
         if value != CORE_BY_NAME[name].default:
             raise ConfigError(message)
         log.warning("%s (the default)", message)  # a small model under the default length: still runs
+
+
+def check_reward_service(config: Config) -> None:
+    """``--rm-type remote_rm``: something listens at ``--rm-url`` (a closed port would otherwise be retried with
+    backoff for every sample of the first step before the run stops)."""
+    import socket
+    from urllib.parse import urlsplit
+
+    if not (config.rm_type and config.rm_type.removeprefix("boxed_") == "remote_rm" and config.rm_url):
+        return
+    url = urlsplit(config.rm_url)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=5).close()
+    except OSError as exc:
+        raise ConfigError(f"--rm-url {config.rm_url}: the reward service cannot be reached at {url.hostname}:{port} "
+                          f"({exc.strerror or exc}); start it, or fix --rm-url") from None
 
 
 def check_reward_type(config: Config, hooks: Hooks) -> None:

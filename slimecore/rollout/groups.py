@@ -17,7 +17,7 @@ import math
 import time
 
 from slimecore import aio
-from slimecore.errors import HookCallError, PluginError
+from slimecore.errors import MESSAGES_FOR_USERS, HookCallError, PluginError
 from slimecore.rollout.client import SharedRequests
 from slimecore.types import Sample, Status
 
@@ -120,8 +120,8 @@ class GroupRunner:
         try:
             reward = await self._bounded_reward("slime_reward",
                                                 self.sample_hooks.reward(config=self.config, sample=sample))
-        except HookCallError as exc:
-            self._fail(sample, str(exc), exc.cause_traceback)
+        except HookCallError as exc:  # a message already written for users (a reward service's) needs no traceback
+            self._fail(sample, str(exc), None if exc.cause_kind in MESSAGES_FOR_USERS else exc.cause_traceback)
             return
         finally:
             self.reward_time += time.perf_counter() - start
