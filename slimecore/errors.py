@@ -68,7 +68,7 @@ def _restore_hook_call_error(plugin: str, hook: str, kind: str, text: str, trace
 
 # exception classes whose message is already written for the user (what happened and what to do)
 MESSAGES_FOR_USERS = {"ConfigError", "PluginError", "DataError", "RewardFailureError", "FilterStarvedError",
-                      "CheckpointError", "ConvertError"}
+                      "CheckpointError", "ConvertError", "RemoteRewardError"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # "ray::RolloutManager.generate() (pid=123, ip=..., actor_id=..., repr=...)"
 _RAY_PROCESS = re.compile(r"ray::(?P<name>[^\s(]+)\(\)\s*\(pid=(?P<pid>\d+)")
@@ -90,7 +90,8 @@ class Failure:
                   f"process {self.process}" if self.process else ""]
         where = ", ".join(part for part in origin if part)
         kind = "" if self.kind in MESSAGES_FOR_USERS else f"{self.kind}: "
-        return f"{kind}{self.message}" + (f"\n  (from {where})" if self.plugin or self.process != "driver" else "")
+        named = where and (self.plugin or self.process != "driver")  # a dead actor's text may name no process
+        return f"{kind}{self.message}" + (f"\n  (from {where})" if named else "")
 
 
 def _process(text: str) -> str | None:

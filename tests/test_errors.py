@@ -81,6 +81,32 @@ def test_a_hook_error_crosses_ray_with_plugin_hook_and_process(ray_session):
     assert failure.text().endswith(f"(from plugin 'my_plugin', hook slime_reward, process {failure.process})")
 
 
+def test_a_killed_train_rank_is_named_with_its_stage(ray_session):
+    import os
+    import signal
+    import types
+
+    from slimecore.config import Config
+    from slimecore.trainers.actor import RankDiedError, TrainGroup
+
+    ray = ray_session
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def train(self, killed: bool):
+            if killed:
+                os.kill(os.getpid(), signal.SIGKILL)  # as the OOM killer or kill -9 would
+            return {"train/loss": 1.0}
+
+    ranks = [Rank.remote(), Rank.remote()]
+    group = types.SimpleNamespace(role="actor", config=Config.make(train_timeout=120))
+    with pytest.raises(RankDiedError) as err:
+        TrainGroup._wait(group, [rank.train.remote(i == 1) for i, rank in enumerate(ranks)], "training on rollout 3")
+    text = describe(err.value).text()
+    assert text.startswith("RankDiedError: actor rank 1 of 2 died in training on rollout 3: its process (pid "), text
+    assert "ended without a Python error" in text and "(from" not in text
+
+
 def _samples(failed: int, total: int) -> list[Sample]:
     samples = [Sample(index=i, reward=1.0) for i in range(total)]
     for sample in samples[:failed]:

@@ -143,6 +143,11 @@ BEFORE_RAY = {
         lambda t, c: ["--rollout-max-response-len", "100000"],
         ["--rollout-max-response-len 100000 does not fit the model's context of 512 tokens",
          "Give --rollout-max-response-len"]),
+    "reward service on a closed port": (
+        lambda t, c: ["--prompt-data", _jsonl(t / "d.jsonl", ROWS), "--label-key", "label", "--rm-type", "remote_rm",
+                      "--rm-url", _dead_url()],
+        ["--rm-url http://127.0.0.1:", "the reward service cannot be reached at 127.0.0.1:", "Connection refused",
+         "start it, or fix --rm-url"]),
     "sglang-router without its compiled router": (_router_without_binary, [
         "compiled router (sglang_router.sglang_router_rs) is not installed", "pip install --force-reinstall"]),
     "bad chat role": (lambda t, c: _own_data(t, rows=[{"input": [{"role": "human", "content": "hi"}], "label": "1"}])
@@ -214,16 +219,12 @@ IN_RUN = {
         lambda t: ["--plugin", FAULTY, "--fault", "drop-all", "--max-filter-rounds", "3"],
         ["group filters dropped", "groups in 3 over-sampling rounds and accepted 0 of 2",
          "plugin 'faulty_plugin' dropped", "(never_good_enough)", "raise --max-filter-rounds"]),
-    "remote reward server down": (
-        lambda t: ["--prompt-data", _jsonl(t / "d.jsonl", ROWS), "--label-key", "label", "--rm-type", "remote_rm",
-                   "--rm-url", _dead_url(), "--rm-max-retries", "2", "--rm-retry-delay", "0.05"],
-        ["samples failed to be scored", "remote_rm: POST http://127.0.0.1:", "failed after 2 attempt(s)",
-         "Fix the reward (or its service: --rm-url, --rm-type)"]),
     "plugin fails to import in a Ray worker": (
         _import_fails_in_workers,
         ["driver_only.py' (file", "failed to import: ImportError: No module named 'gpu_only_dep'",
          # the rollout manager and the train ranks start side by side: whichever imports the plugin first reports
-         "Fix the error in the plugin", ("process RolloutManager.__init__", "process TrainActor.__init__")]),
+         "Fix the error in the plugin", "It loads in the driver (which checked it before Ray started) but not in "
+         "this Ray worker (host", ("process RolloutManager.__init__", "process TrainActor.__init__")]),
 }
 
 
@@ -236,6 +237,8 @@ def test_a_fault_inside_the_run_stops_it_with_the_original_message(case, tiny_ch
     for text in expected:  # a tuple: any one of them
         assert any(t in last for t in (text if isinstance(text, tuple) else (text,))), (text, proc.stderr[-4000:])
     assert "UnserializableException" not in stderr
+    if case == "plugin fails to import in a Ray worker":  # said once, by the driver: no worker prints its traceback
+        assert proc.stderr.count("Traceback") == 0 and stderr.count("It loads in the driver") == 1, proc.stderr[-6000:]
     assert seconds < timeout(120), f"{case}: failed after {seconds:.1f}s"
 
 
@@ -310,6 +313,7 @@ def test_a_remote_reward_server_answering_errors_fails_the_run(mode, tiny_checkp
     for text in ["4 of 4 samples failed to be scored", f"remote_rm: POST {server.url}", *expected]:
         assert text in last, (text, last)
     assert server.requests == 4 * attempts  # 2 prompts x 2 samples, each tried `attempts` times
+    assert "Traceback" not in proc.stderr  # each failure is the service's answer, said once, not our stack
     metrics = tmp_path / "log" / "metrics.jsonl"
     assert not (metrics.is_file() and metrics.read_text().strip())  # no step was trained
     assert seconds < timeout(120)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import re
 import threading
 import time
 from pathlib import Path
@@ -23,6 +24,20 @@ from slimecore.engines.router import free_port
 from slimecore.plugins import load_for_config
 from slimecore.raytools import TRAIN_GPU_SHARE, bundle_options, local_gpu, ray_get, spans_nodes
 from slimecore.trainers.roles import ACTOR, TrainRole
+
+
+class RankDiedError(RuntimeError):
+    """A training rank's process ended in the middle of a call (killed, or crashed outside Python)."""
+
+
+def _end_of(exc: BaseException) -> str:
+    """How a rank's process ended, from Ray's ActorDiedError text: its pid and Ray's one-line exit detail."""
+    text = str(getattr(exc, "error_msg", "") or exc)
+    pid = re.search(r"\bpid: (\d+)", text)
+    detail = re.search(r"Worker exit detail: ([^\n]+?)(?: There are some potential root causes|\n|$)", text)
+    return (f"its process{f' (pid {pid[1]})' if pid else ''} ended without a Python error"
+            f"{f' ({detail[1].strip()})' if detail else ''}: it was killed (by the OOM killer, a signal) or crashed. "
+            "Its log above may say more; a run with --save resumes from the last checkpoint with --load")
 
 
 class TrainTimeout(TimeoutError):
@@ -289,7 +304,15 @@ class TrainGroup:
                                f"{timeout:.0f}s (--train-timeout); finished: {finished or 'none'}. Each hung rank's "
                                "Python stack is in its log above (look for 'Timeout (' from faulthandler); raise "
                                "--train-timeout if the step is only slow")
-        return ray.get(refs) if fetch else None
+        if not fetch:
+            return None
+        results = []
+        for rank, ref in enumerate(refs):  # all ready: an error a rank raised comes through as it is
+            try:
+                results.append(ray.get(ref))
+            except ray.exceptions.RayActorError as exc:
+                raise RankDiedError(f"{self.role} rank {rank} of {len(refs)} died in {stage}: {_end_of(exc)}") from None
+        return results
 
     def values_refs(self, refs: list) -> list:
         """Refs to each rank's ``compute_values`` of its data ref (a value role)."""
