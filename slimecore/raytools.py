@@ -209,6 +209,14 @@ def _wait_placement(pg, bundles: list[dict], c: Config) -> None:
             "lower --num-cpus-per-actor or the number of ranks/engines)", min(c.ray_timeout, 120))
 
 
+def node_address() -> str:
+    """The address Ray knows this process's node by: its node record's ``NodeManagerAddress`` (the raylet's
+    ``--node-ip-address``). A multi-node run's engines bind it and the router registers exactly it, so the other
+    nodes reach them where Ray does; ``ray.util.get_node_ip_address()`` may infer another address of the host."""
+    node = ray.get_runtime_context().get_node_id()
+    return next(n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node)
+
+
 def is_multi_node() -> bool:
     """More than one live node in the Ray cluster: engines and router must then be reachable from others."""
     return sum(1 for node in ray.nodes() if node.get("Alive")) > 1

@@ -29,6 +29,17 @@ def _status_without_key(url: str) -> int:
         return exc.code
 
 
+def _listening(url: str) -> list[str]:
+    """The addresses the sockets listening on ``url``'s port are bound to (every node of the test cluster is this
+    host): the engine's own bind, not only the address it registered."""
+    import psutil
+    from urllib.parse import urlparse
+
+    port = urlparse(url).port
+    return [c.laddr.ip for c in psutil.net_connections("tcp")
+            if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+
+
 @hookimpl
 async def slime_generate(config, sample, sampling_params, client, evaluation, observation, agent):
     global _recorded
@@ -36,6 +47,7 @@ async def slime_generate(config, sample, sampling_params, client, evaluation, ob
         _recorded = True
         engines = await client.worker_urls()
         record = {"router": client.url, "engines": engines, "keyed": client.api_key is not None,
+                  "engines_listen_on": sorted({ip for url in engines for ip in _listening(url)}),
                   "engine_without_key": _status_without_key(engines[0]),
                   "router_without_key": _status_without_key(client.url)}
         with open(config.plugin("address_plugin").address_log, "w") as f:

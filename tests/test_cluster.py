@@ -159,6 +159,8 @@ def test_train_joins_a_two_node_cluster_engines_on_one_node_trainers_on_the_othe
     seen = json.loads(addresses.read_text())
     assert WORKER_IP in two_node_cluster["addresses"]
     assert {urlparse(url).hostname for url in seen["engines"]} == {WORKER_IP}, seen
+    assert seen["engines_listen_on"] == [WORKER_IP], seen  # bound there: a 127.0.0.1 socket is not reached at it
+    # the router reached them there: it registered exactly those URLs, and every step's samples came through it
     assert urlparse(seen["router"]).hostname in two_node_cluster["addresses"], seen
     assert seen["keyed"] and seen["engine_without_key"] == 401 and seen["router_without_key"] == 401, seen
     # the run joined the cluster: no local Ray instance was started beside it

@@ -15,9 +15,9 @@ class EmbeddedEngineActor:
     def __init__(self, model_path: str, max_batch_size: int = 64, seed: int = 0, num_threads: int = 1,
                  dtype: str = "float32", host: str = "127.0.0.1", api_key: str | None = None):
         if host == "node":
-            import ray
+            from slimecore.raytools import node_address
 
-            host = ray.util.get_node_ip_address()
+            host = node_address()
         import torch
 
         from slimecore.engines.embedded import EmbeddedServer  # torch and transformers: in the engine's process

@@ -75,10 +75,10 @@ class SGLangEngineActor:
     def __init__(self, config_dict: dict, index: int, host: str = "127.0.0.1", api_key: str | None = None,
                  log_dir: str | None = None):
         self.config = Config.from_dict(config_dict)
-        if host == "node":  # a run spanning nodes: bind this node's own address
-            import ray
+        if host == "node":  # a run spanning nodes: bind this node's own address, as Ray knows it
+            from slimecore.raytools import node_address
 
-            host = ray.util.get_node_ip_address()
+            host = node_address()
         self.index, self.host, self.api_key = index, host, api_key
         self.log_path = Path(log_dir or tempfile.mkdtemp(prefix="slimecore-sglang-")) / f"engine-{index}.log"
         self.process: subprocess.Popen | None = None

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import ray
-import ray.util
 
 from slimecore import aio
 from slimecore.config import Config
@@ -299,13 +298,13 @@ def engine_hosts(config: Config, placement_group) -> tuple[str, str, str | None]
     (``"node"``), the router this node's, and a fresh per-run key guards every engine and router request."""
     import secrets
 
-    from slimecore.raytools import is_multi_node, spans_nodes
+    from slimecore.raytools import is_multi_node, node_address, spans_nodes
 
     if config.rollout_host:
         host = config.rollout_host
         return host, host, None if host in ("127.0.0.1", "localhost") else secrets.token_urlsafe(32)
     if spans_nodes(placement_group) or is_multi_node():  # keyed even where a node's address is a loopback one
-        return "node", ray.util.get_node_ip_address(), secrets.token_urlsafe(32)
+        return "node", node_address(), secrets.token_urlsafe(32)
     return "127.0.0.1", "127.0.0.1", None
 
 
