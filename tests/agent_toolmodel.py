@@ -38,7 +38,7 @@ def teaching_rows(tokenizer) -> list[tuple[list[int], list[bool]]]:
     eos = [tokenizer.eos_token_id]
     rows = []
     for offered, a in [(offered, a) for offered in (OPENAI_TOOLS, VERIFIERS_TOOLS) for a in (3, 28, 55, 76)]:
-        tools = parse_openai({"messages": [{"role": "user", "content": "x"}], "tools": offered}).tools
+        tools = parse_openai({"model": "m", "messages": [{"role": "user", "content": "x"}], "tools": offered}).tools
         first = [{"role": "user", "content": question(a)}]
         call_ids = list(tokenizer(CALL, add_special_tokens=False)["input_ids"]) + eos
         prompt = trajectory.prompt(first, tools)

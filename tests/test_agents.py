@@ -247,6 +247,8 @@ def test_each_api_answers_errors_in_its_own_shape(agent_sessions, api):
     else:
         client = anthropic.Anthropic(base_url=session.anthropic_base_url, api_key=session.api_key, max_retries=0)
         cases = [dict(messages=[{"role": "system", "content": "x"}]),
+                 dict(messages=[{"role": "user", "content": [  # a result for a call nobody made
+                     {"type": "tool_result", "tool_use_id": "toolu_never_called", "content": "3"}]}]),
                  dict(messages=[{"role": "user", "content": [{"type": "image", "source": {}}]}]),
                  dict(messages=[{"role": "user", "content": "x"}], tools=[{"name": "f"}]),
                  dict(messages=[{"role": "user", "content": "x"}],
@@ -261,6 +263,26 @@ def test_each_api_answers_errors_in_its_own_shape(agent_sessions, api):
                                 max_retries=0).messages.create(model="m", max_tokens=2,
                                                                messages=[{"role": "user", "content": "x"}])
         assert caught.value.status_code == 401 and caught.value.body["error"]["type"] == "authentication_error"
+    agent_sessions.finish(session)
+
+
+def test_a_request_without_model_is_refused_by_both_apis(agent_sessions):
+    import urllib.error
+    import urllib.request
+
+    session = agent_sessions.open(max_new_tokens=2)
+    for path, body, error in [
+            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}]},
+             {"message": "you must provide a model parameter", "type": "invalid_request_error", "param": "model"}),
+            ("/v1/messages", {"max_tokens": 2, "messages": [{"role": "user", "content": "x"}]},
+             {"type": "invalid_request_error", "message": "model: Field required"})]:
+        request = urllib.request.Request(agent_sessions.url + path, json.dumps(body).encode(), {
+            "Content-Type": "application/json", "Authorization": f"Bearer {session.api_key}"})
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request, timeout=60)
+        answer = json.loads(caught.value.read())
+        assert caught.value.code == 400 and error.items() <= answer["error"].items(), answer
+    assert session.state.trajectory.turns == []  # nothing was generated
     agent_sessions.finish(session)
 
 

@@ -96,6 +96,11 @@ class Choice:
 # ---------------------------------------------------------------------------------------------
 
 
+def _named_model(body: dict) -> bool:
+    """Both APIs answer 400 to a request without ``model`` (this server serves one policy, whatever its name)."""
+    return isinstance(body.get("model"), str) and bool(body["model"])
+
+
 def _require(condition: bool, message: str, param: str | None = None) -> None:
     if not condition:
         raise APIError("invalid_request", message, param)
@@ -161,6 +166,7 @@ def _text_parts(content: Any, param: str, text_type: str) -> str:
 def parse_openai(body: Any) -> TurnRequest:
     """Read a ``/v1/chat/completions`` body; raise APIError for what OpenAI would answer 400."""
     _require(isinstance(body, dict), "the request body must be a JSON object")
+    _require(_named_model(body), "you must provide a model parameter", "model")  # OpenAI's words
     messages = body.get("messages")
     _require(isinstance(messages, list) and bool(messages), "'messages' must be a non-empty array", "messages")
     canon = [_openai_message(m, f"messages[{i}]") for i, m in enumerate(messages)]
@@ -298,6 +304,7 @@ def openai_stream(choices: list[Choice], model: str, include_usage: bool) -> lis
 def parse_anthropic(body: Any) -> TurnRequest:
     """Read a ``/v1/messages`` body; raise APIError for what Anthropic would answer 400."""
     _require(isinstance(body, dict), "the request body must be a JSON object")
+    _require(_named_model(body), "model: Field required", "model")  # Anthropic's words
     _require(isinstance(body.get("max_tokens"), int) and not isinstance(body["max_tokens"], bool)
              and body["max_tokens"] >= 1, "max_tokens: field required (an integer >= 1)", "max_tokens")
     messages = body.get("messages")
@@ -308,6 +315,7 @@ def parse_anthropic(body: Any) -> TurnRequest:
         canon.append({"role": "system", "content": _text_parts(system, "system", "text")})
     for i, m in enumerate(messages):
         canon.extend(_anthropic_message(m, f"messages.{i}"))
+    _answered_calls_only(canon)
     tools = None
     if body.get("tools") is not None:
         _require(isinstance(body["tools"], list), "tools: must be an array", "tools")
@@ -358,6 +366,17 @@ def _anthropic_message(m: Any, param: str) -> list[dict]:
             message["tool_calls"] = calls
         out.append(message)
     return out
+
+
+def _answered_calls_only(messages: list[dict]) -> None:
+    """Every tool result answers a ``tool_use`` of an earlier assistant message, as Anthropic requires (400)."""
+    called: set[str] = set()
+    for number, message in enumerate(messages):
+        called.update(c["id"] for c in message.get("tool_calls") or ())
+        if message["role"] == "tool" and message["tool_call_id"] not in called:
+            raise APIError("invalid_request", f"unexpected `tool_use_id` found in `tool_result` blocks: "
+                           f"{message['tool_call_id']}. Each `tool_result` block must have a corresponding "
+                           "`tool_use` block in an earlier assistant message", "messages")
 
 
 def _anthropic_tool(t: Any, param: str) -> dict:
