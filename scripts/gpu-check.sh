@@ -9,7 +9,8 @@
 #    megatron GPU checks; what needs Ray, SGLang's server or Transformer Engine is skipped by name;
 # 3. runs the GPU benchmarks: benchmarks/train_throughput.py (fsdp and megatron, Qwen2.5-0.5B and 1.5B shapes,
 #    16k tokens per micro-batch, bf16; megatron's log-prob gap to fsdp) and benchmarks/head_logprobs.py (peak
-#    memory of the chunked LM head), each writing JSON to benchmarks/results/gpu-check-<date>/;
+#    memory of the chunked LM head) and benchmarks/weight_wire.py (seconds per full weight sync over CUDA IPC,
+#    opened by SGLang's own classes), each writing JSON to benchmarks/results/gpu-check-<date>-<mode>/;
 # 4. prints a short table of the figures.
 # Without CUDA (or with --cpu) it runs in its CPU mode: every GPU test is skipped by name and the benchmarks
 # run on the tiny model, so the rest of the script is exercised. Exit status: that of the tests.
@@ -98,9 +99,8 @@ else
     --group 4 --prompt-len 16 --response-len 32 --steps 3 --warmup 1 --out "$out/train_fsdp_tiny.json"
   bench head_logprobs 300 "$python" benchmarks/head_logprobs.py --tokens 256 --chunk 64 --out "$out/head_logprobs.json"
 fi
-if [ -f benchmarks/weight_wire.py ]; then
-  bench weight_wire 180 "$python" benchmarks/weight_wire.py --out "$out/weight_wire.json"
-fi
+# seconds per full weight sync over SGLang's tensor wire (CUDA IPC; shared memory and the tiny model on a CPU)
+bench weight_wire 240 "$python" benchmarks/weight_wire.py --out "$out/weight_wire.json"
 
 step "summary ($out)"
 "$python" - "$out" <<'EOF'
