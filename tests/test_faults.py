@@ -215,6 +215,11 @@ IN_RUN = {
     "reward never returns": (
         lambda t: ["--plugin", FAULTY, "--fault", "reward-hangs", "--reward-timeout", "1"],
         ["4 of 4 samples failed to be scored", "slime_reward: TimeoutError: no answer within --reward-timeout 1s"]),
+    "reward blocks the event loop": (
+        lambda t: ["--plugin", FAULTY, "--fault", "reward-blocks", "--rollout-timeout", "20"],
+        ["rollout 0 (--rollout-timeout) did not finish within 20 s: waiting on plugin 'faulty_plugin' slime_reward "
+         "for sample", "The event loop has not turned for", "faulty_plugin.py:", "in slime_reward",
+         "await asyncio.to_thread", "process RolloutManager.generate"]),
     "filter drops every group": (
         lambda t: ["--plugin", FAULTY, "--fault", "drop-all", "--max-filter-rounds", "3"],
         ["group filters dropped", "groups in 3 over-sampling rounds and accepted 0 of 2",
