@@ -7,8 +7,8 @@ kept there; and a watchdog thread posts a heartbeat to the loop every second:
 
 - the loop has not turned for ``STALL_SECONDS``: it logs, once per stall, the plugin, hook and sample being
   called and the line of the plugin's code the loop is stuck in;
-- a hook call has been waited on for a multiple of ``REPORT_EVERY`` seconds: it logs which (a reward service
-  that never answers is said every minute, not silent until ``--reward-timeout``);
+- hook calls have been waited on for ``REPORT_EVERY`` seconds: it logs the oldest, once per ``REPORT_EVERY``
+  (a reward service that never answers is said every minute, not silent until ``--reward-timeout``);
 - a deadline passes: ``run_until_complete`` raises ``RolloutTimeoutError`` naming what was in flight (and where
   the loop was stuck) at that moment, instead of ``asyncio``'s empty ``TimeoutError``.
 
@@ -93,7 +93,7 @@ def stuck_at(thread: threading.Thread) -> str:
     call in a plugin holds the event loop (``path:line in function``); else the innermost line."""
     frame = sys._current_frames().get(thread.ident)
     innermost, own = None, None
-    core = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    core = os.path.dirname(os.path.abspath(__file__)) + os.sep  # the slimecore package
     stdlib = os.path.dirname(os.__file__)
     while frame is not None:
         path = frame.f_code.co_filename
@@ -153,7 +153,7 @@ class LoopThread:
         self.turned = time.monotonic()
 
     def _watchdog(self) -> None:
-        stalled, reported = False, set()
+        stalled, last_report = False, time.monotonic()
         while not self._stop.wait(1.0):
             if self.loop.is_closed():
                 return
@@ -161,19 +161,25 @@ class LoopThread:
             if self.blocked() and not stalled:
                 log.warning("%s: %s", self.name, self.describe())
             stalled = self.blocked()
-            now = time.monotonic()
-            reported = {(key, ticks) for key, ticks in reported if key in _calls}
-            for key, call in list(_calls.items()):
-                ticks = int((now - call.started) // self.report_every)
-                if ticks and (key, ticks) not in reported:
-                    reported.add((key, ticks))
-                    log.warning("%s: still waiting on %s", self.name, call.text(now))
+            now = time.monotonic()  # one line per period, naming the oldest calls, however many are waiting
+            oldest = min((call.started for call in list(_calls.values())), default=now)
+            if now - oldest >= self.report_every and now - last_report >= self.report_every:
+                last_report = now
+                log.warning("%s: still waiting on %s", self.name, in_flight(now))
 
     def close(self) -> None:
         """Stop the watchdog and the loop (a loop blocked by a hook is left to its daemon thread)."""
         self._stop.set()
-        if not self.blocked():
+        if not self.blocked():  # what is still pending (a step cancelled at its deadline) ends first
+            concurrent.futures.wait([asyncio.run_coroutine_threadsafe(_cancel_pending(), self.loop)], timeout=5)
             self.loop.call_soon_threadsafe(self.loop.stop)
             self.thread.join(timeout=5)
             if not self.thread.is_alive():
                 self.loop.close()
+
+
+async def _cancel_pending() -> None:
+    tasks = [task for task in asyncio.all_tasks() if task is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
