@@ -23,8 +23,10 @@ What is compared:
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
+import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
@@ -64,16 +66,22 @@ def tensor_checksum(tensor: torch.Tensor) -> str | None:
 def checksums(named: Iterable[tuple[str, torch.Tensor]], only_1d: bool = False) -> dict[str, str]:
     """``{name: tensor_checksum}``, a tensor listed under two names (tied embeddings) hashed once; ``only_1d``:
     the tensors an SGLang engine keeps under their HF name."""
-    out, done = {}, {}
+    names, unique = {}, {}
     for name, tensor in named:
-        if only_1d and tensor.dim() != 1:
-            continue
-        key = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-        if key not in done:
-            done[key] = tensor_checksum(tensor)
-        if done[key] is not None:
-            out[name] = done[key]
-    return out
+        if not only_1d or tensor.dim() == 1:
+            names[name] = (tensor.device, tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+            unique.setdefault(names[name], tensor)
+    # the hash releases the GIL: the tensors are hashed on every core (memory-bound; on a 2-core machine
+    # SmolLM2's 540 MB took ~30 ms instead of ~75 ms while other processes ran)
+    sums = dict(zip(unique, _hash_pool().map(tensor_checksum, unique.values())))
+    return {name: sums[key] for name, key in names.items() if sums[key] is not None}
+
+
+@functools.lru_cache(maxsize=1)
+def _hash_pool():
+    from concurrent.futures import ThreadPoolExecutor
+
+    return ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="slimecore-checksum")
 
 
 def is_weight(name: str) -> bool:
