@@ -45,8 +45,10 @@ def _reward_problem(value: Any) -> str | None:
         return None
     if isinstance(value, dict):
         wrong = {k: v for k, v in value.items() if not isinstance(v, (numbers.Real, str, type(None)))}
-        return None if not wrong else f"a dict whose {', '.join(map(repr, wrong))} {'is' if len(wrong) == 1 else 'are'} " \
-                                      f"not a number ({_shown(next(iter(wrong.values())))})"
+        if not wrong:
+            return None
+        verb = "is" if len(wrong) == 1 else "are"
+        return f"a dict whose {', '.join(map(repr, wrong))} {verb} not a number ({_shown(next(iter(wrong.values())))})"
     hint = "; return .item() of a one-element tensor" if getattr(value, "shape", None) is not None else ""
     return f"{_shown(value)}{hint}"
 
@@ -95,7 +97,8 @@ def filter_group(answer: Any, args: dict) -> str | None:
 
 def post_process_rewards(answer: Any, args: dict) -> str | None:
     samples = args.get("samples")
-    if not (isinstance(answer, (tuple, list)) and len(answer) == 2 and all(isinstance(a, list) for a in answer)):
+    if not (isinstance(answer, (tuple, list)) and len(answer) == 2
+            and all(isinstance(part, (list, tuple)) for part in answer)):
         return f"{_shown(answer)}; slime_post_process_rewards returns (raw rewards, rewards): two lists of floats"
     if samples is not None and any(len(part) != len(samples) for part in answer):
         return (f"lists of {len(answer[0])} and {len(answer[1])} rewards for {len(samples)} samples; return one "
