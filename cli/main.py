@@ -112,6 +112,9 @@ def train_config(loaded: tuple) -> tuple:
     argv, specs, hooks, declared = loaded
     implied = hooks.slime_implied_options()
     config = parse_config(argv, specs, declared, implied, hooks.slime_quickstart_options())
+    if (config.train_backend == "megatron" and not hooks.implementers("slime_model_bridge") and "models" not in specs
+            and "models" in installed_entry_points()):  # slime's scripts name no bridge plugin: the installed one
+        return train_config(train_plugins([*argv, *(a for s in specs for a in ("--plugin", s)), "--plugin", "models"]))
     validate(config, hooks)
     return config, hooks, implied
 

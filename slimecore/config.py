@@ -651,11 +651,23 @@ def parse_config(argv: list[str], plugin_names: list[str], declared: dict[str, l
             plugin_values.setdefault(owner, {})[name] = pvalues[name]
     for owner in declared:
         plugin_values.setdefault(owner, {})
+    if "train_backend" not in explicit | explicit_from_file and megatron_only(megatron_args):
+        values["train_backend"] = "megatron"  # slime's only backend: a script's Megatron-only flags mean it
     config = Config(values, plugin_values, plugin_names, sglang_args, megatron_args)
     apply_task_recommendations(config, explicit | explicit_from_file, quickstart or {})
     apply_implied_options(config, implied or {}, explicit | explicit_from_file)
     validate_core(config)
     return config
+
+
+def megatron_only(megatron_args: dict) -> bool:
+    """Any of ``megatron_args`` configures Megatron's training itself (``--optimizer``, ``--attention-dropout``
+    ...), not only the model's shape, which fsdp checks against config.json too (``slimecore.megatron_args``)."""
+    if not megatron_args:
+        return False
+    from slimecore.megatron_args import MODEL_FIELDS, TARGETS, known_fields
+
+    return any(known_fields()[name].target in TARGETS and name not in MODEL_FIELDS for name in megatron_args)
 
 
 def apply_task_recommendations(config: Config, explicit: set[str], quickstart: dict[str, dict]) -> None:
@@ -809,6 +821,8 @@ def validate_core(config: Config) -> None:
             raise ConfigError(f"{CORE_BY_NAME[name].flag} needs --save DIR")
     if c.ref_load:
         check_ref_load(c)
+    if c.sequence_parallel and c.tensor_model_parallel_size == 1:
+        c.sequence_parallel = False  # as Megatron-LM: one tensor-parallel rank has no sequence to split
     if c.keep_last_n is not None and c.keep_last_n < 1:
         raise ConfigError(f"--keep-last-n must be >= 1, got {c.keep_last_n}")
     if c.max_logprob_mismatch is not None and not c.max_logprob_mismatch > 0:
@@ -840,6 +854,11 @@ def validate_engines(c: Config) -> None:
             setattr(c, name, True)
         elif getattr(c, name) is None:
             setattr(c, name, c.colocate)
+    if c.offload_train and c.train_backend == "megatron" and not c.ray_address:
+        from slimecore.preflight import may_have_gpus
+
+        if not may_have_gpus():  # CPU training: its state is in host memory already, there is nothing to move
+            c.offload_train = False
     if c.offload_train and c.train_backend == "megatron":
         raise ConfigError("--offload-train is not implemented for --train-backend megatron yet; add --no-offload-train "
                           "(--colocate turns it on by default)")

@@ -67,7 +67,7 @@ def test_a_slime_script_parses_and_splits_by_config():
 
 def test_yaml_takes_megatron_keys(tmp_path):
     (tmp_path / "run.yaml").write_text("rollout_batch_size: 2\nhidden_dropout: 0.1\nsequence_parallel: true\n"
-                                       "overlap_param_gather: true\n")
+                                       "tensor_model_parallel_size: 2\noverlap_param_gather: true\n")
     config = parse_config(["--config", str(tmp_path / "run.yaml")], [], {})
     assert config.megatron_args == {"hidden_dropout": 0.1, "overlap_param_gather": True}
     assert config.sequence_parallel is True  # a core option keeps its own meaning
@@ -97,7 +97,7 @@ def test_checked_against_config_json(tiny_checkpoint):
     with pytest.raises(ConfigError, match=rf"--hidden-size {hf.hidden_size + 1} disagrees with .*config.json's "
                                           rf"hidden_size is {hf.hidden_size};"):
         check_against_hf(bad, hf)
-    fsdp = _parse("--attention-dropout", "0.1", "--hf-checkpoint", str(tiny_checkpoint))
+    fsdp = _parse("--attention-dropout", "0.1", "--hf-checkpoint", str(tiny_checkpoint), "--train-backend", "fsdp")
     with pytest.raises(ConfigError, match="--attention-dropout is a Megatron argument: it applies with "
                                           "--train-backend megatron"):
         check_against_hf(fsdp, hf)

@@ -381,3 +381,20 @@ def test_an_external_router_that_does_not_answer_stops_the_run_before_ray(tmp_pa
                           cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert f"no sglang-router answers at http://127.0.0.1:{port}" in " ".join(proc.stderr.split())
+
+
+def test_a_slime_scripts_megatron_flags_mean_slimes_megatron_backend(workdir):
+    """slime trains with Megatron only: with no --train-backend, a Megatron-only argument (--optimizer ...) selects
+    megatron and the installed models plugin for its bridge; flags that only describe the model stay on fsdp (which
+    checks them against config.json); an explicit --train-backend wins. As Megatron-LM, --sequence-parallel with one
+    tensor-parallel rank is off (nothing to split)."""
+    from slimecore.preflight import may_have_gpus
+
+    config = _parse(BASE + ["--optimizer", "adam"])
+    assert config.train_backend == "megatron" and "models" in config.plugins
+    assert _parse(BASE + ["--num-layers", "2"]).train_backend == "fsdp"
+    assert _parse(BASE + ["--train-backend", "fsdp", "--optimizer", "adam"]).train_backend == "fsdp"
+    assert _parse(BASE + ["--sequence-parallel"]).sequence_parallel is False
+    assert _parse(BASE + ["--sequence-parallel", "--tensor-model-parallel-size", "2"]).sequence_parallel is True
+    if not may_have_gpus():  # --colocate's trainer offload: on CPU the state is in host memory already
+        assert _parse(BASE + ["--optimizer", "adam", "--colocate"]).offload_train is False

@@ -24,10 +24,11 @@ class Fate:
     instead: str = ""
     plugin: str | None = None
     accepted: tuple = ()
+    where: str = "core option"  # a same-named flag that is not a core option: Megatron's or SGLang's argument
 
     def describe(self) -> str:
         if self.kind == "same":
-            return (f"option of plugin `{self.plugin}`" if self.plugin else "core option") + \
+            return (f"option of plugin `{self.plugin}`" if self.plugin else self.where) + \
                 (f"; {self.text}" if self.text else "")
         if self.kind == "mapped":
             return self.text
@@ -35,8 +36,8 @@ class Fate:
         return f"{self.text}; instead: {self.instead}{allowed}"
 
 
-def _same(names: str, plugin: str | None = None, text: str = "") -> dict[str, Fate]:
-    return {"--" + name: Fate("same", text, plugin=plugin) for name in names.split()}
+def _same(names: str, plugin: str | None = None, text: str = "", where: str = "core option") -> dict[str, Fate]:
+    return {"--" + name: Fate("same", text, plugin=plugin, where=where) for name in names.split()}
 
 
 def _refused(why: str, instead: str, *flags: str, accepted: tuple = ()) -> dict[str, Fate]:
@@ -57,9 +58,12 @@ SLIME_FLAGS: dict[str, Fate] = {
             "rollout-num-gpus rollout-num-gpus-per-engine rollout-seed rollout-shuffle rollout-skip-special-tokens "
             "rollout-stop rollout-stop-token-ids rollout-temperature rollout-top-k rollout-top-p save "
             "save-debug-rollout-data save-interval seed sglang-server-concurrency skip-eval-before-train "
-            "start-rollout-id tool-key train-backend update-weight-buffer-size update-weights-interval "
+            "start-rollout-id tool-key update-weight-buffer-size update-weights-interval "
             "use-dynamic-batch-size use-fault-tolerance use-tensorboard use-wandb wandb-group wandb-mode "
             "wandb-project"),
+    **_same("train-backend", text="megatron or fsdp; slime has megatron only, so with no --train-backend a "
+            "Megatron-only argument of a slime script (--optimizer, --attention-dropout ...) selects megatron, with "
+            "the installed models plugin for the bridge"),
     **_same("no-save-optim", text="a switch named no_save_optim: --no-save-optim turns it on"),
     **_same("save-hf", text="PATH, may hold {rollout_id}: every --save checkpoint is also written there as an HF "
             "model"),
@@ -74,10 +78,10 @@ SLIME_FLAGS: dict[str, Fate] = {
             "of a custom function name the router in use"),
     **_same("sglang-router-request-timeout-secs", text="seconds one request to the router may take (the rollout "
             "client's timeout)"),
-    **_same("sglang-pp-size sglang-pipeline-parallel-size", text="an SGLang ServerArgs field (--sglang-<field>), "
-            "passed to --rollout-engine sglang"),
-    **_same("mtp-num-layers mtp-loss-scaling-factor", text="a Megatron argument, passed to megatron-core "
-            "(--train-backend megatron)"),
+    **_same("sglang-pp-size sglang-pipeline-parallel-size", where="SGLang argument",
+            text="a ServerArgs field (--sglang-<field>), passed to --rollout-engine sglang"),
+    **_same("mtp-num-layers mtp-loss-scaling-factor", where="Megatron argument",
+            text="passed to megatron-core (--train-backend megatron)"),
     # -- the same: the algorithm plugins' options (the plugin comes with --advantage-estimator or --plugin)
     **_same("disable-grpo-std-normalization disable-rewards-normalization entropy-coef eps-clip eps-clip-c "
             "eps-clip-high get-mismatch-metrics kl-loss-coef kl-loss-type normalize-advantages tis-clip "
