@@ -58,3 +58,35 @@ def test_sglang_opens_the_trainers_flattened_buckets_bit_for_bit(tiny_checkpoint
         want = weight_sync.digest(bucket)
         for rank in json.loads(out_file.read_text()):
             assert rank["digests"] == want and rank["devices"] == [device]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_sglangs_process_group_helper_joins_the_weight_group_and_receives_buckets(tiny_checkpoint, tmp_path, device):
+    """The distributed path: SGLang's own ``init_custom_process_group`` (rank 1) joins the group the trainer makes
+    (``weight_sync.init_weight_group``, rank 0; gloo on the CPU, NCCL on CUDA), and each broadcast flattened bucket,
+    described by the trainer's ``/update_weights_from_distributed`` body, arrives intact in SGLang's
+    ``FlattenedTensorBucket``."""
+    from slimecore.engines.router import free_port
+    from slimecore.trainers.fsdp import FSDPBackend
+
+    backend = FSDPBackend(Config.make(hf_checkpoint=str(tiny_checkpoint)), device=device)
+    buckets = list(backend.hf_weight_buckets(256 * 1024))
+    bodies = [weight_sync.distributed_body(bucket, "wire-test", "1") for bucket in buckets]
+    (tmp_path / "bodies.json").write_text(json.dumps(bodies))
+    port = free_port()
+    receiver = subprocess.Popen([sys.executable, "-m", "slimecore.testing.sglang_wire", "--distributed", "127.0.0.1",
+                                 str(port), device, str(tmp_path / "bodies.json"), str(tmp_path / "digests.json")])
+    try:
+        group = weight_sync.init_weight_group("nccl" if device == "cuda" else "gloo", "127.0.0.1", port, 0, 2,
+                                              "wire-test", timeout=120)
+        for bucket in buckets:
+            flat, _ = weight_sync.flatten(bucket)
+            weight_sync.broadcast(group, flat)
+        assert receiver.wait(timeout=120) == 0
+    finally:
+        if receiver.poll() is None:
+            receiver.kill()
+    received = json.loads((tmp_path / "digests.json").read_text())
+    assert len(received) == len(buckets) > 1
+    for got, bucket in zip(received, buckets):
+        assert got["digests"] == weight_sync.digest(bucket)

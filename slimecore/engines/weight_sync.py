@@ -222,12 +222,16 @@ def deserialize(payload: str):
 def init_weight_group(backend: str, master_address: str, master_port: int, rank: int, world_size: int,
                       group_name: str, timeout: float = 600):
     """A process group of its own (not the default one: the trainer already has a training group), as
-    SGLang's ``init_custom_process_group``: rank 0 is the sender and hosts the rendezvous store."""
+    SGLang's ``init_custom_process_group``: rank 0 is the sender and hosts the rendezvous store. The store's
+    keys are laid out as that helper lays them out (``PrefixStore(group_name)``, then torch's
+    ``_new_process_group_helper`` adds ``"{group_name}/"`` and ``"{device}/"``), so the other ranks may be real
+    SGLang engines (``tests/test_weight_wire.py`` joins with SGLang's own helper)."""
     import torch.distributed as dist
 
     delta = datetime.timedelta(seconds=timeout)
     store = dist.TCPStore(master_address, int(master_port), world_size, is_master=rank == 0, timeout=delta)
-    store = dist.PrefixStore(group_name, store)
+    device = "cuda" if backend == "nccl" else "cpu"
+    store = dist.PrefixStore(f"{device}/", dist.PrefixStore(f"{group_name}/", dist.PrefixStore(group_name, store)))
     if backend == "gloo":
         return dist.ProcessGroupGloo(store, rank, world_size, delta)
     if backend == "nccl":

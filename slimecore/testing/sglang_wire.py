@@ -3,11 +3,14 @@
 payload (``tests/test_weight_wire.py``, ``benchmarks/weight_wire.py``).
 
     python -m slimecore.testing.sglang_wire BODY.json DIGESTS.json
+    python -m slimecore.testing.sglang_wire --distributed ADDRESS PORT DEVICE BODIES.json DIGESTS.json
 
 reads the request body, opens each TP rank's payload with the installed ``sglang`` wheel's own
 ``MultiprocessingSerializer.deserialize`` (and its ``SafeUnpickler``), rebuilds the tensors through its
 ``FlattenedTensorBucket`` as ``ModelRunner._update_weights_from_flattened_bucket`` does, and writes each
-tensor's SHA-256 (``slimecore.engines.weight_sync.digest``) per payload.
+tensor's SHA-256 (``slimecore.engines.weight_sync.digest``) per payload. With ``--distributed`` it joins the
+trainer's weight-update group through SGLang's ``init_custom_process_group`` and receives each
+``/update_weights_from_distributed`` body's broadcast bucket (gloo on the CPU, NCCL on CUDA).
 
 The classes are executed from the wheel's source files (``sglang/srt/utils/common.py``,
 ``sglang/srt/weight_sync/tensor_bucket.py``) rather than imported: ``import sglang.srt.utils`` pulls SGLang's
@@ -30,8 +33,8 @@ from pathlib import Path
 
 
 def sglang_wire() -> types.SimpleNamespace:
-    """``MultiprocessingSerializer``, ``FlattenedTensorBucket`` and ``FlattenedTensorMetadata`` of the installed
-    sglang wheel."""
+    """``MultiprocessingSerializer``, ``init_custom_process_group``, ``FlattenedTensorBucket`` and
+    ``FlattenedTensorMetadata`` of the installed sglang wheel."""
     spec = importlib.util.find_spec("sglang")
     if spec is None:
         raise ModuleNotFoundError("the sglang wheel is not installed")
@@ -53,7 +56,14 @@ def sglang_wire() -> types.SimpleNamespace:
     namespace = {"io": io, "pickle": pickle, "ForkingPickler": ForkingPickler, "pybase64": pybase64,
                  "__name__": "sglang_common"}
     exec(compile(ast.Module(body=nodes, type_ignores=[]), str(common), "exec"), namespace)
+    group_helper = next(n for n in ast.parse(common.read_text()).body
+                        if isinstance(n, ast.FunctionDef) and n.name == "init_custom_process_group")
+    import torch
+
+    namespace["torch_release"] = tuple(int(p) for p in torch.__version__.split("+")[0].split(".")[:2])
+    exec(compile(ast.Module(body=[group_helper], type_ignores=[]), str(common), "exec"), namespace)
     return types.SimpleNamespace(MultiprocessingSerializer=namespace["MultiprocessingSerializer"],
+                                 init_custom_process_group=namespace["init_custom_process_group"],
                                  FlattenedTensorBucket=bucket.FlattenedTensorBucket,
                                  FlattenedTensorMetadata=bucket.FlattenedTensorMetadata)
 
@@ -66,14 +76,45 @@ def open_payload(wire: types.SimpleNamespace, payload: str) -> list:
     return wire.FlattenedTensorBucket(flattened_tensor=data["flattened_tensor"], metadata=metadata).reconstruct_tensors()
 
 
+def receive_broadcasts(wire: types.SimpleNamespace, address: str, port: int, bodies: list[dict],
+                       device: str = "cpu") -> list[dict]:
+    """Join the trainer's weight-update group with SGLang's ``init_custom_process_group`` (rank 1 of 2, as
+    ``ModelRunner.init_weights_update_group``), then receive each ``/update_weights_from_distributed`` body's
+    flattened bucket as ``ModelRunner._update_bucketed_weights_from_distributed`` does."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    from slimecore.engines.weight_sync import digest
+
+    backend = "nccl" if device == "cuda" else "gloo"
+    group = wire.init_custom_process_group(backend=backend, init_method=f"tcp://{address}:{port}", world_size=2,
+                                           rank=1, group_name=bodies[0]["group_name"],
+                                           timeout=datetime.timedelta(seconds=120))
+    out = []
+    for body in bodies:
+        named = [(name, torch.empty(shape, dtype=getattr(torch, dtype), device=device))
+                 for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"])]
+        bucket = wire.FlattenedTensorBucket(named_tensors=named)
+        dist.broadcast(bucket.get_flattened_tensor(), src=0, group=group)
+        out.append({"digests": digest(bucket.reconstruct_tensors()), "devices": [device]})
+    return out
+
+
 def main() -> None:
     import torch.multiprocessing as mp
 
     from slimecore.engines.weight_sync import digest
 
     mp.set_sharing_strategy("file_system")  # as the sender's payload names its shared memory
-    body = json.loads(Path(sys.argv[1]).read_text())
     wire = sglang_wire()
+    if sys.argv[1] == "--distributed":  # --distributed ADDRESS PORT DEVICE BODIES.json DIGESTS.json
+        address, port, device, bodies, target = sys.argv[2:7]
+        result = receive_broadcasts(wire, address, int(port), json.loads(Path(bodies).read_text()), device)
+        Path(target).write_text(json.dumps(result))
+        return
+    body = json.loads(Path(sys.argv[1]).read_text())
     assert body["load_format"] == "flattened_bucket", body["load_format"]
     out = []
     for payload in body["serialized_named_tensors"]:
