@@ -61,11 +61,12 @@ def init_ray(config: Config) -> None:
     ray.init(address="local", num_cpus=local_cpus(), include_dashboard=False, log_to_driver=True,
              logging_level=ray_log_level,
              object_store_memory=int(os.environ.get("SLIMECORE_OBJECT_STORE_BYTES", 2 * 1024**3)))
-    log.info("Started a local Ray instance in %.1f s (its logs: %s)", time.perf_counter() - started, _session_logs())
+    log.info("Started a local Ray instance in %.1f s (its logs: %s)", time.perf_counter() - started, session_logs())
 
 
-def _session_logs() -> str:
-    """Where Ray writes its processes' logs (the actors' full output) in this session."""
+def session_logs() -> str:
+    """Where Ray writes its processes' logs in this session: every actor's full output, the progress bars and
+    lines the console leaves out (a run folder links it as ``ray-logs``)."""
     node = getattr(ray._private.worker, "_global_node", None)
     return node.get_logs_dir_path() if node is not None else "/tmp/ray/session_latest/logs"
 

@@ -10,7 +10,8 @@ with the symlink ``runs/latest`` moved to it):
 - ``curves.png``: reward, response length, step time and KL by step (``slimecore.plotting``);
 - ``summary.json``: written when the run ends (steps, reward first -> last quarter, the whole command's time,
   paths);
-- ``command.json``: the command line, the folder it ran in and when it started.
+- ``command.json``: the command line, the folder it ran in and when it started;
+- ``ray-logs``: a link to the Ray session's logs, every actor's full output (what the console leaves out).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from slimecore.config import CORE_BY_NAME, Config, ConfigError
 
 RUNS_ROOT = Path("runs")
 COMMAND = "command.json"
+RAY_LOGS = "ray-logs"
 _IMPORTED = time.time()
 LATEST = "latest"
 REWARD = "rollout/raw_reward"
@@ -143,6 +145,16 @@ def record_command(run_dir: Path) -> float:
         "argv": sys.argv, "cwd": os.getcwd(), "started": started,
         "started_at": datetime.datetime.fromtimestamp(started).isoformat(timespec="seconds")}, indent=1) + "\n")
     return started
+
+
+def link_ray_logs(run_dir: Path, logs: str) -> None:
+    """``run_dir/ray-logs`` -> ``logs``, the Ray session's log folder (the actors' full output), replaced when
+    a replay reuses the folder."""
+    link = Path(run_dir) / RAY_LOGS
+    if link.is_symlink():
+        link.unlink()
+    if not link.exists():
+        link.symlink_to(logs, target_is_directory=True)
 
 
 def write_samples(config: Config, rollout_id: int, samples: list) -> None:

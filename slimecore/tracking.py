@@ -11,9 +11,13 @@ import math
 import time
 from pathlib import Path
 
+import ray
+
 from slimecore.config import Config
 from slimecore.plotting import plot_run
-from slimecore.runs import config_yaml, create_run_dir, read_metrics, record_command, summarize, write_summary
+from slimecore.raytools import session_logs
+from slimecore.runs import (config_yaml, create_run_dir, link_ray_logs, read_metrics, record_command, summarize,
+                            write_summary)
 
 
 class Tracker:
@@ -23,6 +27,8 @@ class Tracker:
     def __init__(self, config: Config, active_plugins: list[str] | None = None):
         self.dir = create_run_dir(config)
         self.config, self.start = config, record_command(self.dir)  # the summary's time counts the whole command
+        if ray.is_initialized():
+            link_ray_logs(self.dir, session_logs())
         self.jsonl = (self.dir / "metrics.jsonl").open("a")
         self.tb = self.wandb = None
         if config.use_tensorboard:

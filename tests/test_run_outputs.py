@@ -113,6 +113,18 @@ def test_a_run_is_timed_and_dated_from_the_start_of_its_command(tmp_path):
     assert run_info(tmp_path)["started"] == "2026-11-28 09:00"
 
 
+def test_the_run_folder_links_the_ray_session_logs_the_console_leaves_out(tmp_path):
+    from slimecore.runs import RAY_LOGS, link_ray_logs
+
+    logs = [tmp_path / "session_a" / "logs", tmp_path / "session_b" / "logs"]
+    for folder in logs:
+        folder.mkdir(parents=True)
+    (logs[1] / "worker-1.err").write_text("Loading weights: 100%\n")
+    link_ray_logs(tmp_path, str(logs[0]))
+    link_ray_logs(tmp_path, str(logs[1]))  # a replay into the same folder points it at its own session
+    assert (tmp_path / RAY_LOGS / "worker-1.err").read_text() == "Loading weights: 100%\n"
+
+
 def test_run_folders_never_collide_and_latest_moves_atomically(tmp_path, monkeypatch):
     class Frozen(datetime.datetime):
         @classmethod
