@@ -79,7 +79,10 @@ def show(run, root):
     config = Path(info["path"]) / "config.yaml"
     if config.is_file():
         out.print(f"[bold]{escape(str(config))}[/]")
-        out.print(Syntax(config.read_text(), "yaml", background_color="default"))
+        if out.is_terminal:  # highlighted and wrapped, never cut at the terminal's edge
+            out.print(Syntax(config.read_text(), "yaml", background_color="default", word_wrap=True))
+        else:  # a pipe or a file: the file as it is, to copy or to replay
+            click.echo(config.read_text(), nl=False)
 
 
 @click.command()
