@@ -134,7 +134,8 @@ def test_check_flags_and_sglang_determinism_pass_through():
                           [], {})
     assert config.check_weights == "first" and config.max_logprob_mismatch == 0.1
     assert config.sglang_args == {"enable_deterministic_inference": True, "attention_backend": "triton"}
-    assert parse_config(base, [], {}).check_weights == "every" and parse_config(base, [], {}).max_logprob_mismatch is None
+    defaults = parse_config(base, [], {})
+    assert defaults.check_weights == "every" and defaults.max_logprob_mismatch is None
     with pytest.raises(SystemExit):  # argparse: "argument --check-weights: invalid choice: 'sometimes' (choose ...)"
         parse_config(base + ["--check-weights", "sometimes"], [], {})
     with pytest.raises(ConfigError, match="--max-logprob-mismatch must be > 0"):
