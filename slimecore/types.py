@@ -314,7 +314,8 @@ class RolloutColumns(_EngineLogProbs):
     time). slime's ``raw_reward`` is ``raw_rewards`` here (the slime adapter hands slime's functions slime's
     name). slime columns not produced: ``round_number``, ``rollout_top_p_token_ids`` /
     ``rollout_top_p_token_offsets``, ``rollout_routed_experts``, ``metadata``, ``multimodal_train_inputs``,
-    ``teacher_log_probs``, ``source_names`` (no engine here returns those, and no loss reads them)."""
+    ``source_names`` (no engine here returns those, and no loss reads them). Plugins add their own columns
+    through ``Sample.train_columns`` (the opd plugin's ``teacher_log_probs``)."""
 
     tokens: list[list[int]]  # prompt + response ids
     response_lengths: list[int]

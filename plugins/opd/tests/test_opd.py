@@ -211,3 +211,16 @@ def test_pure_distillation_zeroes_the_task_reward_only():
 
 def test_strategies_cover_miles():
     assert set(STRATEGIES) == {c["strategy"] for c in VECTORS if c["kind"] == "topk"}
+
+
+def test_train_columns_become_training_columns():
+    from slimecore.rollout.manager import convert_samples
+
+    hooks = load_plugins([])
+    samples = [Sample(index=i, tokens=[1, 2, 3], response_length=2, reward=1.0) for i in range(2)]
+    samples[0].train_columns["teacher_log_probs"] = [-1.0, -2.0]
+    data = convert_samples(hooks, Config.make(), samples)
+    assert data["teacher_log_probs"] == [[-1.0, -2.0], None]  # None: the sample the plugin did not score
+    samples[1].train_columns["rewards"] = 1.0
+    with pytest.raises(ValueError, match="would replace the core's training column 'rewards'"):
+        convert_samples(hooks, Config.make(), samples)
