@@ -68,7 +68,8 @@ def _restore_hook_call_error(plugin: str, hook: str, kind: str, text: str, trace
 
 # exception classes whose message is already written for the user (what happened and what to do)
 MESSAGES_FOR_USERS = {"ConfigError", "PluginError", "DataError", "RewardFailureError", "FilterStarvedError",
-                      "CheckpointError", "ConvertError", "RemoteRewardError"}
+                      "CheckpointError", "ConvertError", "RemoteRewardError", "WeightCheckError",
+                      "LogprobMismatchError"}
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # "ray::RolloutManager.generate() (pid=123, ip=..., actor_id=..., repr=...)"
 _RAY_PROCESS = re.compile(r"ray::(?P<name>[^\s(]+)\(\)\s*\(pid=(?P<pid>\d+)")
