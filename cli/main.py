@@ -249,7 +249,8 @@ def _plugin_datasets() -> dict[str, tuple[str, str]]:
 @cli.command()
 @click.option("--plugin", "specs", multiple=True, default=("models",), show_default=True,
               help="Bridge plugins whose presets to list.")
-@click.option("--show", default=None, help="Print one preset's Megatron flags (slime's MODEL_ARGS).")
+@click.option("--show", "--args", "show", default=None,
+              help="Print one preset's Megatron flags (slime's MODEL_ARGS for scripts/models/NAME.sh).")
 @click.option("--json", "as_json", is_flag=True, help="Machine-readable output.")
 def models(specs, show, as_json):
     """Model presets of the bridge plugins, with their Megatron shapes (as slime's scripts/models/*.sh)."""
@@ -266,19 +267,21 @@ def models(specs, show, as_json):
         return
     if as_json:
         click.echo(json.dumps([{"preset": name, "plugin": plugin, "architecture": b.architecture,
-                                "megatron_args": b.megatron_args()} for name, (plugin, b) in sorted(found.items())],
+                                "slime_model_file": file, "megatron_args": b.megatron_args()}
+                               for name, (plugin, b, file) in sorted(found.items())],
                               indent=2))
         return
     from slimecore.display import fit_table
 
     table = Table(title="model presets (`slime-core models --show NAME` prints the Megatron flags)")
     table.add_column("preset", no_wrap=True)
-    for column in ("architecture", "layers", "hidden", "ffn", "heads / kv", "experts (top-k)"):
+    for column in ("architecture", "layers", "hidden", "ffn", "heads / kv", "experts (top-k)", "slime file"):
         table.add_column(column)
-    for name, (plugin, b) in sorted(found.items()):
+    for name, (plugin, b, file) in sorted(found.items()):
         experts = f"{b.num_experts} ({b.moe_router_topk})" if getattr(b, "num_experts", None) else "-"
+        heads = f"{b.num_attention_heads} / " + ("MLA" if getattr(b, "kv_lora_rank", None) else str(b.num_query_groups))
         table.add_row(name, b.architecture.removesuffix("ForCausalLM"), str(b.num_layers), str(b.hidden_size),
-                      str(b.ffn_hidden_size), f"{b.num_attention_heads} / {b.num_query_groups}", experts)
+                      str(b.ffn_hidden_size), heads, experts, file or "-")
     Console().print(fit_table(table, Console().width, drop=("ffn", "architecture")))
 
 

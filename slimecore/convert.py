@@ -31,8 +31,6 @@ from typing import Any, Iterable
 from slimecore.config import Config, ConfigError
 from slimecore.errors import ConvertError
 from slimecore.hf_checkpoint import read_safetensors_shapes, weights_mismatch
-from slimecore.trainers.megatron_model import (BridgedModel, check_shape, find_bridge, init_parallel,
-                                               read_checkpoint_meta, write_checkpoint_meta)
 
 # Megatron flags that appear in slime's MODEL_ARGS but say nothing a bridge's shape records (fixed by the
 # architecture, or about training): accepted and not compared. The value: 1 if the flag takes an argument.
@@ -52,12 +50,14 @@ STRUCTURAL_FLAGS = {"--normalization": 1, "--swiglu": 0, "--position-embedding-t
 # The expected shape: presets and MODEL_ARGS
 # ---------------------------------------------------------------------------------------------------
 
-def presets(hooks) -> dict[str, tuple[str, Any]]:
-    """Named shapes of the active bridge plugins (a plugin module's ``PRESETS`` mapping): name -> (plugin, shape)."""
-    found: dict[str, tuple[str, Any]] = {}
+def presets(hooks) -> dict[str, tuple[str, Any, str | None]]:
+    """Named shapes of the active bridge plugins (a plugin module's ``PRESETS`` mapping): name -> (plugin, shape,
+    the slime model file it matches, from the module's ``SLIME_MODEL_FILES``, or None)."""
+    found: dict[str, tuple[str, Any, str | None]] = {}
     for impl in hooks.implementers("slime_model_bridge"):
+        files = getattr(impl.plugin, "SLIME_MODEL_FILES", None) or {}
         for name, shape in (getattr(impl.plugin, "PRESETS", None) or {}).items():
-            found.setdefault(name, (hooks.plugin_name(impl), shape))
+            found.setdefault(name, (hooks.plugin_name(impl), shape, files.get(name)))
     return found
 
 
@@ -206,6 +206,8 @@ def _load_hf_config(directory: Path):
 
 
 def _bridge(hooks, config, hf_config, where: Path):
+    from slimecore.trainers.megatron_model import find_bridge  # torch: not for `slime-core models`
+
     try:
         return find_bridge(config, hooks, hf_config)
     except ConfigError as exc:
@@ -264,6 +266,8 @@ def hf_to_megatron(hf_dir: str | Path, save: str | Path, hooks, preset: str | No
     save = Path(save)
     if (save / "torch_dist").exists() and any((save / "torch_dist").iterdir()):
         raise ConvertError(f"{save}/torch_dist already holds a checkpoint; give an empty --save directory")
+    from slimecore.trainers.megatron_model import BridgedModel, init_parallel, write_checkpoint_meta
+
     rank, world = _world()
     init_parallel(config, rank, world)
     model = BridgedModel.build(config, hooks, str(hf_dir))
@@ -279,6 +283,8 @@ def hf_to_megatron(hf_dir: str | Path, save: str | Path, hooks, preset: str | No
 
 def check_megatron_to_hf(load: str | Path, hf_dir: str | Path, hooks):
     """Checks of ``megatron-to-hf`` that need no Megatron; returns (config, meta)."""
+    from slimecore.trainers.megatron_model import check_shape, read_checkpoint_meta
+
     load, hf_dir = Path(load), Path(hf_dir)
     try:
         meta = read_checkpoint_meta(load)
@@ -303,6 +309,7 @@ def megatron_to_hf(load: str | Path, hf_dir: str | Path, output: str | Path, hoo
     from safetensors.torch import save_file
 
     from slimecore.engines.weight_sync import bucketize
+    from slimecore.trainers.megatron_model import BridgedModel, init_parallel
 
     rank, world = _world()
     init_parallel(config, rank, world)

@@ -94,7 +94,7 @@ class Bridge:
             "rotary_base": self.rotary_base, "layernorm_epsilon": self.norm_epsilon,
             "untie_embeddings_and_output_weights": self.untie_embeddings_and_output_weights,
             "add_qkv_bias": self.add_qkv_bias, "qk_layernorm": self.qk_layernorm, "rotary_percent": self.rotary_percent,
-            "normalization": "RMSNorm", "swiglu": True, "gated_linear_unit": True, "add_bias_linear": False,
+            "normalization": "RMSNorm", "swiglu": True, "add_bias_linear": False,
             "position_embedding_type": "rope", "use_rotary_position_embeddings": True,
             "multi_latent_attention": mla, "layernorm_zero_centered_gamma": False, "attention_output_gate": False,
             "use_gated_attention": False, "spec": _SPECS.get(self.architecture),
@@ -113,7 +113,9 @@ class Bridge:
             "moe_router_num_groups": self.moe_router_num_groups, "moe_router_group_topk": self.moe_router_group_topk,
             "q_lora_rank": self.q_lora_rank, "kv_lora_rank": self.kv_lora_rank,
             "qk_pos_emb_head_dim": self.qk_pos_emb_head_dim, "v_head_dim": self.v_head_dim,
-            "mscale": self.mscale, "mscale_all_dim": self.mscale_all_dim,
+            # YaRN's attention scaling: without YaRN RoPE megatron-core does not read them
+            "mscale": ... if self.mscale is None else self.mscale,
+            "mscale_all_dim": ... if self.mscale_all_dim is None else self.mscale_all_dim,
         }
         if mla:  # Megatron's MLA reads qk_head_dim and never kv_channels (slime's files give 64, 128 or 192)
             values.update(qk_head_dim=self.kv_channels, kv_channels=..., num_query_groups=...)
@@ -143,8 +145,9 @@ class Bridge:
                 args += [flag, _runs(tuple(value))]
             elif isinstance(value, (list, tuple)):
                 args += [flag, *map(str, value)]
-            else:
-                args += [flag, str(value)]
+            else:  # Megatron-LM reads --rotary-base as an int
+                args += [flag, str(int(value)) if isinstance(value, float) and value.is_integer() and dest in
+                         ("rotary_base",) else str(value)]
         return args
 
 
@@ -282,6 +285,41 @@ PRESETS: dict[str, Bridge] = {
                           moe_layer_freq=_moe_freq(61, 3), q_lora_rank=1536, kv_lora_rank=512,
                           qk_pos_emb_head_dim=64, v_head_dim=128, **_sigmoid_router(2.5, 8, 4), mscale=1.0,
                           mscale_all_dim=1.0),
+    "glm4.5-355B-A32B": Bridge("Glm4MoeForCausalLM", 92, 5120, 12288, 96, 8, 128, vocab_size=151552,
+                               rotary_base=1e6, norm_epsilon=1e-5, untie_embeddings_and_output_weights=True,
+                               add_qkv_bias=True, qk_layernorm=True, rotary_percent=0.5, num_experts=160,
+                               moe_router_topk=8, moe_ffn_hidden_size=1536, moe_shared_expert_intermediate_size=1536,
+                               moe_layer_freq=_moe_freq(92, 3), **_sigmoid_router(2.5, 1, 1)),
+    "kimi-k2": Bridge("DeepseekV3ForCausalLM", 61, 7168, 18432, 64, 64, 128, vocab_size=163840, rotary_base=5e4,
+                      norm_epsilon=1e-6, untie_embeddings_and_output_weights=True, add_qkv_bias=False,
+                      qk_layernorm=True, rotary_scaling_factor=32.0, num_experts=384, moe_router_topk=8,
+                      moe_ffn_hidden_size=2048, moe_shared_expert_intermediate_size=2048,
+                      moe_layer_freq=_moe_freq(61, 1), q_lora_rank=1536, kv_lora_rank=512, qk_pos_emb_head_dim=64,
+                      v_head_dim=128, **_sigmoid_router(2.827, 1, 1), mscale=1.0, mscale_all_dim=1.0),
+    "moonlight-16B-A3B": Bridge("DeepseekV3ForCausalLM", 27, 2048, 11264, 16, 16, 128, vocab_size=163840,
+                                rotary_base=5e4, norm_epsilon=1e-5, untie_embeddings_and_output_weights=True,
+                                add_qkv_bias=False, qk_layernorm=True, num_experts=64, moe_router_topk=6,
+                                moe_ffn_hidden_size=1408, moe_shared_expert_intermediate_size=2816,
+                                moe_layer_freq=_moe_freq(27, 1), kv_lora_rank=512, qk_pos_emb_head_dim=64,
+                                v_head_dim=128, **_sigmoid_router(2.446, 1, 1)),
+    "llama3.1-70B": Bridge("LlamaForCausalLM", 80, 8192, 28672, 64, 8, 128, vocab_size=128256, rotary_base=5e5,
+                           norm_epsilon=1e-5, untie_embeddings_and_output_weights=True, add_qkv_bias=False,
+                           rotary_scaling_factor=8.0),
+}
+# Models of one shape: the same preset under each name (GLM-4.6 / 4.7 are GLM-4.5's architecture and size;
+# DeepSeek V3.1 and R1 are V3's; GLM-Z1-9B-0414 is GLM-4-9B-0414's)
+PRESETS.update({"glm4.6-355B-A32B": PRESETS["glm4.5-355B-A32B"], "glm4.7-355B-A32B": PRESETS["glm4.5-355B-A32B"],
+                "deepseek-v3.1": PRESETS["deepseek-v3"], "deepseek-r1": PRESETS["deepseek-v3"],
+                "glm-z1-9B": PRESETS["glm4-9B"]})
+# The slime model file (THUDM/slime scripts/models/) whose MODEL_ARGS each preset's shape matches; checked by the
+# plugin's tests. llama3.1-70B has none: `slime-core models --show llama3.1-70B` prints its MODEL_ARGS.
+SLIME_MODEL_FILES = {
+    "qwen2.5-0.5B": "qwen2.5-0.5B.sh", "qwen2.5-7B": "qwen2.5-7B.sh", "qwen3-4B": "qwen3-4B.sh",
+    "qwen3-8B": "qwen3-8B.sh", "qwen3-30B-A3B": "qwen3-30B-A3B.sh", "llama3.1-8B": "llama3.1-8B-Instruct.sh",
+    "glm4-9B": "glm4-9B.sh", "glm-z1-9B": "glm4-9B.sh", "glm4.5-106B-A12B": "glm4.5-106B-A12B.sh",
+    "glm4.5-355B-A32B": "glm4.5-355B-A32B.sh", "glm4.6-355B-A32B": "glm4.5-355B-A32B.sh",
+    "glm4.7-355B-A32B": "glm4.5-355B-A32B.sh", "deepseek-v3": "deepseek-v3.sh", "deepseek-v3.1": "deepseek-v3.sh",
+    "deepseek-r1": "deepseek-v3.sh", "kimi-k2": "kimi-k2.sh", "moonlight-16B-A3B": "moonlight.sh",
 }
 
 

@@ -8,6 +8,7 @@ from transformers import (AutoConfig, DeepseekV3Config, Glm4Config, Glm4MoeConfi
                           Qwen3MoeConfig)
 
 from slime_models.plugin import PRESETS, bridge_for
+from slime_models.plugin import SLIME_MODEL_FILES as SLIME_FILE_OF
 from slimecore.config import Config, ConfigError, parse_config
 from slimecore.megatron_args import check_against_hf, source_model_args
 from slimecore.plugins import installed_entry_points, load_plugins
@@ -51,7 +52,46 @@ HF_CONFIGS = {
         max_position_embeddings=163840,
         rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
                          "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}),
+    "qwen2.5-7B": lambda: Qwen2Config(
+        num_hidden_layers=28, hidden_size=3584, intermediate_size=18944, num_attention_heads=28, num_key_value_heads=4,
+        vocab_size=152064, rms_norm_eps=1e-6, tie_word_embeddings=False, **_rope(1e6)),
+    "qwen3-8B": lambda: Qwen3Config(
+        num_hidden_layers=36, hidden_size=4096, intermediate_size=12288, num_attention_heads=32, num_key_value_heads=8,
+        head_dim=128, vocab_size=151936, rms_norm_eps=1e-6, tie_word_embeddings=False, **_rope(1e6)),
+    # GLM-4.5 (355B-A32B); GLM-4.6 and GLM-4.7 have this config.json shape too (max_position_embeddings 202752)
+    "glm4.5-355B-A32B": lambda: Glm4MoeConfig(
+        num_hidden_layers=92, hidden_size=5120, intermediate_size=12288, num_attention_heads=96, num_key_value_heads=8,
+        head_dim=128, vocab_size=151552, rms_norm_eps=1e-5, attention_bias=True, use_qk_norm=True,
+        n_routed_experts=160, n_shared_experts=1, num_experts_per_tok=8, moe_intermediate_size=1536,
+        first_k_dense_replace=3, routed_scaling_factor=2.5, n_group=1, topk_group=1, tie_word_embeddings=False,
+        max_position_embeddings=202752, **_rope(1e6, partial_rotary_factor=0.5)),
+    "kimi-k2": lambda: DeepseekV3Config(
+        num_hidden_layers=61, hidden_size=7168, intermediate_size=18432, num_attention_heads=64,
+        num_key_value_heads=64, vocab_size=163840, rms_norm_eps=1e-6, n_routed_experts=384, n_shared_experts=1,
+        num_experts_per_tok=8, moe_intermediate_size=2048, first_k_dense_replace=1, n_group=1, topk_group=1,
+        routed_scaling_factor=2.827, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, tie_word_embeddings=False, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "yarn", "rope_theta": 5e4, "factor": 32.0, "beta_fast": 1.0, "beta_slow": 1.0,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096}),
+    "moonlight-16B-A3B": lambda: DeepseekV3Config(
+        num_hidden_layers=27, hidden_size=2048, intermediate_size=11264, num_attention_heads=16,
+        num_key_value_heads=16, vocab_size=163840, rms_norm_eps=1e-5, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, moe_intermediate_size=1408, first_k_dense_replace=1, n_group=1, topk_group=1,
+        routed_scaling_factor=2.446, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+        v_head_dim=128, tie_word_embeddings=False, max_position_embeddings=8192, **_rope(5e4)),
+    "llama3.1-70B": lambda: LlamaConfig(
+        num_hidden_layers=80, hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
+        vocab_size=128256, rms_norm_eps=1e-5, tie_word_embeddings=False, max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
 }
+# presets of one shape share the config (models/plugin.py PRESETS: same architecture and size)
+SAME_SHAPE = {"glm4.6-355B-A32B": "glm4.5-355B-A32B", "glm4.7-355B-A32B": "glm4.5-355B-A32B",
+              "deepseek-v3.1": "deepseek-v3", "deepseek-r1": "deepseek-v3", "glm-z1-9B": "glm4-9B"}
+
+
+def test_every_preset_has_its_hf_config_checked():
+    assert set(PRESETS) == set(HF_CONFIGS) | set(SAME_SHAPE)
 
 
 @pytest.mark.parametrize("name", sorted(HF_CONFIGS))
@@ -158,10 +198,8 @@ def test_rope_scaling_is_mapped_or_refused():
 
 SLIME_MODEL_FILES = Path(__file__).resolve().parents[3] / "tests" / "slime_format" / "scripts" / "models"
 # slime model file -> the preset of the checkpoint it describes (env: what the file reads, for a shorter model)
-MODEL_FILES = {"qwen2.5-0.5B": ("qwen2.5-0.5B", {}), "qwen3-4B": ("qwen3-4B", {}),
-               "qwen3-30B-A3B": ("qwen3-30B-A3B", {}), "llama3.1-8B-Instruct": ("llama3.1-8B", {}),
-               "glm4-9B": ("glm4-9B", {}), "glm4.5-106B-A12B": ("glm4.5-106B-A12B", {}),
-               "deepseek-v3": ("deepseek-v3", {"MODEL_ARGS_NUM_LAYERS": "4"})}
+MODEL_FILES = {file.removesuffix(".sh"): (preset, {}) for preset, file in SLIME_FILE_OF.items() if preset in HF_CONFIGS}
+MODEL_FILES["deepseek-v3"] = ("deepseek-v3", {"MODEL_ARGS_NUM_LAYERS": "4"})
 
 
 def _checkpoint(tmp_path, preset: str, **changes) -> Path:
@@ -209,3 +247,9 @@ def test_a_model_file_that_disagrees_names_both_values(tmp_path):
         _check(qwen3, "fsdp", glm4)
     with pytest.raises(ConfigError, match=r"--moe-layer-freq \[0, 1, 1, 1\] disagrees .*is \[0, 0, 0, 1\]"):
         _check(deepseek, "megatron", ["--moe-layer-freq", "[0]+[1]*3"])
+
+
+@pytest.mark.parametrize("name", sorted(PRESETS))
+def test_a_presets_megatron_args_parse_and_agree_with_its_config(name, tmp_path):
+    """`slime-core models --show NAME` prints MODEL_ARGS that slime-core's parser reads back into the same model."""
+    _check(_checkpoint(tmp_path, SAME_SHAPE.get(name, name)), "megatron", PRESETS[name].megatron_args())
