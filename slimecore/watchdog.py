@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import contextvars
 import itertools
 import logging
 import os
@@ -47,6 +48,7 @@ class Call:
     hook: str
     subject: str  # "sample 3", "a group of 4 samples (first sample 8)", "" when the hook has no sample
     started: float
+    parent: int | None = None  # the hook call this one was made from (slime_reward from within slime_rollout)
 
     def text(self, now: float) -> str:
         return f"plugin {self.plugin!r} {self.hook}{' for ' + self.subject if self.subject else ''} " \
@@ -55,6 +57,7 @@ class Call:
 
 _calls: dict[int, Call] = {}
 _ids = itertools.count()
+_enclosing: contextvars.ContextVar[int | None] = contextvars.ContextVar("slimecore_hook_call", default=None)
 
 
 def subject(args: dict) -> str:
@@ -71,17 +74,22 @@ def subject(args: dict) -> str:
 def waiting(plugin: str, hook: str, args: dict):
     """Record an awaited hook call while it runs (the watchdog and a timeout name it)."""
     key = next(_ids)
-    _calls[key] = Call(plugin, hook, subject(args), time.monotonic())
+    _calls[key] = Call(plugin, hook, subject(args), time.monotonic(), _enclosing.get())
+    token = _enclosing.set(key)  # tasks started inside inherit it (asyncio copies the context)
     try:
         yield
     finally:
+        _enclosing.reset(token)
         _calls.pop(key, None)
 
 
 def in_flight(now: float | None = None) -> str:
-    """The longest-running hook calls, oldest first, as one phrase ("" when none)."""
+    """The longest-running hook calls that wait on no other hook call (a reward, not the rollout it runs in),
+    oldest first, as one phrase ("" when none)."""
     now = time.monotonic() if now is None else now
-    calls = sorted(list(_calls.values()), key=lambda c: c.started)
+    running = list(_calls.items())
+    enclosing = {call.parent for _, call in running}
+    calls = sorted((call for key, call in running if key not in enclosing), key=lambda call: call.started)
     if not calls:
         return ""
     more = f" and {len(calls) - SHOWN} more" if len(calls) > SHOWN else ""

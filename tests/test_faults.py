@@ -242,8 +242,10 @@ def test_a_fault_inside_the_run_stops_it_with_the_original_message(case, tiny_ch
     for text in expected:  # a tuple: any one of them
         assert any(t in last for t in (text if isinstance(text, tuple) else (text,))), (text, proc.stderr[-4000:])
     assert "UnserializableException" not in stderr
-    if case == "plugin fails to import in a Ray worker":  # said once, by the driver: no worker prints its traceback
-        assert proc.stderr.count("Traceback") == 0 and stderr.count("It loads in the driver") == 1, proc.stderr[-6000:]
+    if case == "plugin fails to import in a Ray worker":
+        # the driver says it once; a worker prints no traceback of the plugin's import (Ray itself still echoes
+        # each failed actor constructor's error, a few lines per actor)
+        assert proc.stderr.count("\nerror:") == 1 and 'driver_only.py", line' not in proc.stderr, proc.stderr[-6000:]
     assert seconds < timeout(120), f"{case}: failed after {seconds:.1f}s"
 
 

@@ -188,3 +188,25 @@ def test_a_deadline_names_the_hook_calls_in_flight_and_long_waits_are_said(caplo
     assert any("still waiting on plugin 'never_answers' slime_reward for sample" in r.getMessage()
                for r in caplog.records)
     loop.close()
+
+
+def test_only_the_innermost_hook_calls_are_named():
+    from slimecore.watchdog import in_flight, waiting
+
+    async def reward(index: int):
+        with waiting("judge", "slime_reward", {"sample": Sample(index=index)}):
+            await asyncio.sleep(0.3)
+
+    async def rollout():
+        with waiting("slimecore.defaults.rollout", "slime_rollout", {}):  # waits on the rewards it started
+            tasks = [asyncio.ensure_future(reward(i)) for i in range(2)]
+            await asyncio.sleep(0.1)
+            named = in_flight()
+            await asyncio.gather(*tasks)
+            return named
+
+    named = asyncio.run(rollout())
+    assert re.fullmatch(r"plugin 'judge' slime_reward for sample 0 \(0 s\); plugin 'judge' slime_reward for sample 1 "
+                        r"\(0 s\)", named), named
+    assert in_flight() == ""
+
