@@ -136,8 +136,8 @@ class Bridge:
         args: list[str] = []
         for dest, value in self.megatron_values().items():
             flag = _FLAGS.get(dest, "--" + dest.replace("_", "-"))
-            if value is None or value is ... or value is False and dest != "add_bias_linear" or dest == "rotary_scaling_factor" and \
-                    not self.multi_latent_attention:
+            skip = value is None or value is ... or value is False and dest != "add_bias_linear"
+            if skip or dest == "rotary_scaling_factor" and not self.multi_latent_attention:
                 continue
             if isinstance(value, bool):
                 args.append(flag)

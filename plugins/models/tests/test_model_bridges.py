@@ -4,8 +4,8 @@ import types
 from pathlib import Path
 
 import pytest
-from transformers import (AutoConfig, DeepseekV3Config, Glm4Config, Glm4MoeConfig, LlamaConfig, Qwen2Config, Qwen3Config,
-                          Qwen3MoeConfig)
+from transformers import (AutoConfig, DeepseekV3Config, Glm4Config, Glm4MoeConfig, LlamaConfig, Qwen2Config,
+                          Qwen3Config, Qwen3MoeConfig)
 
 from slime_models.plugin import PRESETS, bridge_for
 from slime_models.plugin import SLIME_MODEL_FILES as SLIME_FILE_OF
