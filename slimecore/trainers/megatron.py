@@ -12,10 +12,12 @@ Micro-batches. The rollout manager's schedule (``slimecore.rollout.schedule``: s
 dynamic ``--max-tokens-per-gpu``) gives each DP rank its micro-batches. Each one is a packed THD stream ``[1, T]``:
 the samples concatenated, ``cu_seqlens`` at their boundaries, padded with id 0 to a multiple of the TP size
 (sequence parallelism splits T). With Transformer Engine the attention reads ``cu_seqlens``
-(``PackedSeqParams(qkv_format="thd")``). Without it (CPU, or a GPU without TE) megatron-core's local attention
-gets the block-diagonal causal mask of the same boundaries; RoPE then rotates by stream positions instead of
-per-sample positions, which gives the same attention scores because RoPE depends only on position differences
-(the tests check 1e-5 against HF).
+(``PackedSeqParams(qkv_format="thd")``). On a GPU without TE megatron-core's local attention takes the same
+``thd`` stream through ``megatron_model.per_segment_attention``: torch's scaled-dot-product attention per sample
+(flash kernels), so no (T, T) mask is built (at 16k tokens it was 12 GiB in ``fused_softmax``). On the CPU, and
+for attention variants that path does not cover, the local attention gets the block-diagonal causal mask
+(``packing = "mask"``); the tests check the two paths against each other. RoPE rotates by per-sample positions on the ``thd`` path, by stream positions on the mask path, which
+gives the same attention scores because RoPE depends only on position differences (tests: 1e-5 against HF).
 
 Log-probs. Logits (vocab-parallel with TP) are divided by ``--rollout-temperature``; log-softmax and entropy are
 computed in fp32 across the TP shards (all-reduce of the max, of sum(exp), of the target logit and of
@@ -60,8 +62,8 @@ from slimecore.ops.linear_logprobs import CHUNK_TOKENS, linear_log_probs_and_ent
 from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
                                         save_rng, training_device)
 from slimecore.trainers.megatron_model import (CHECKPOINT_META, BridgedModel, MegatronSetupError, check_shape,
-                                               find_bridge, init_parallel, read_checkpoint_meta, shape_dict, unwrap,
-                                               write_checkpoint_meta)
+                                               find_bridge, init_parallel, per_segment_attention, read_checkpoint_meta,
+                                               shape_dict, unwrap, write_checkpoint_meta)
 
 log = logging.getLogger("slimecore.megatron")
 
@@ -233,6 +235,10 @@ class MegatronBackend:
                "overlap_grad_reduce": False, "overlap_param_gather": False, **megatron_overrides(config, "ddp")}
         self.model = BridgedModel.build(config, hooks, config.hf_checkpoint, ddp)
         self.chunks = self.model.chunks
+        # how a packed micro-batch's sample boundaries reach the attention: "thd" (cu_seqlens) or "mask"
+        self.packing = self.model.runtime.packing
+        if self.packing == "mask" and per_segment_attention(self.chunks) and self.device.type == "cuda":
+            self.packing = "thd"  # the CPU keeps the mask path its tests were measured on (both are tested there)
         self.hf_config = AutoConfig.from_pretrained(config.hf_checkpoint)  # for the FLOPs figures
         self.modules = torch.nn.ModuleList(self.chunks)  # .train() / .eval() and named_parameters of every chunk
         # the weight export gathers over TP/PP/EP: every rank of those groups must take part
@@ -273,7 +279,7 @@ class MegatronBackend:
 
     # -- forward and backward --------------------------------------------------------------------
     def _pack(self, tokens, response_lengths) -> Packed:
-        return pack(tokens, response_lengths, self.model.runtime.packing, self.tp_size, self.device)
+        return pack(tokens, response_lengths, self.packing, self.tp_size, self.device)
 
     def _response_outputs(self, output: torch.Tensor, packed: Packed, temperature: float, with_entropy: bool,
                           gpt=None) -> dict:

@@ -20,6 +20,7 @@ Megatron-core is imported only inside the functions that need it: the checks run
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -163,6 +164,63 @@ class BridgedModel:
                                          str(directory / "torch_dist"))
         unwrap(self.chunks[0]).load_state_dict(loaded["model"])
         return loaded
+
+
+def per_segment_attention(chunks: list) -> bool:
+    """Without Transformer Engine: let the local attention of every layer take packed streams (``thd``, the
+    sample boundaries in ``cu_seqlens``) through ``segment_attention`` instead of the block-diagonal (T, T) mask.
+    Each ``DotProductAttention`` becomes its subclass ``SegmentAttention`` (same state, a ``forward`` that
+    takes ``packed_seq_params``); False, and nothing changed, when a layer's attention is not a plain causal
+    ``DotProductAttention`` (a learnable softmax offset, a sliding window)."""
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    cores = [m for chunk in chunks for m in chunk.modules() if type(m) is DotProductAttention]
+    plain = [m for m in cores if m.softmax_offset is None and getattr(m.config, "window_size", None) is None]
+    if not cores or len(plain) != len(cores):
+        return False
+    cls = _segment_attention_class()
+    for module in cores:
+        module.__class__ = cls
+    return True
+
+
+@functools.lru_cache(maxsize=None)
+def _segment_attention_class():
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+
+    class SegmentAttention(DotProductAttention):
+        """megatron-core's local attention for packed streams: query, key and value (T, heads, head_dim) with
+        ``packed_seq_params.cu_seqlens_q`` at the sample boundaries go through ``segment_attention``; without
+        ``packed_seq_params`` the parent's masked attention runs."""
+
+        def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                    packed_seq_params=None):
+            if packed_seq_params is None:
+                return super().forward(query, key, value, attention_mask, attn_mask_type, attention_bias)
+            dropout = self.attention_dropout.p if self.training else 0.0
+            out = segment_attention(query, key, value, packed_seq_params.cu_seqlens_q, self.softmax_scale, dropout)
+            return out.reshape(out.shape[0], self.hidden_size_per_partition)
+
+    return SegmentAttention
+
+
+def segment_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor,
+                      scale: float, dropout: float = 0.0) -> torch.Tensor:
+    """Causal attention within each segment ``[cu_seqlens[i], cu_seqlens[i + 1])`` of a packed stream, by torch's
+    ``scaled_dot_product_attention`` per segment (flash or memory-efficient kernels on CUDA): memory grows with
+    the longest segment, never with the (T, T) mask of the stream. query (T, heads, d); key and value (T, groups,
+    d) with heads a multiple of groups (grouped-query attention) -> (T, heads, d)."""
+    heads, groups = query.shape[1], key.shape[1]
+    bounds = cu_seqlens.tolist()
+    out = torch.empty_like(query)
+    for a, b in zip(bounds[:-1], bounds[1:]):
+        if b <= a:
+            continue
+        q, k, v = (t[a:b].transpose(0, 1) for t in (query, key, value))  # (heads or groups, n, d)
+        out[a:b] = torch.nn.functional.scaled_dot_product_attention(
+            q[None], k[None], v[None], dropout_p=dropout, is_causal=True, scale=scale,
+            enable_gqa=heads != groups)[0].transpose(0, 1)
+    return out
 
 
 def shape_dict(bridge) -> dict:

@@ -348,6 +348,12 @@ def tiny_hf_configs() -> dict:
                                     num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
                                     partial_rotary_factor=0.5, attention_bias=True,
                                     architectures=["Glm4MoeForCausalLM"]),
+        # GLM-4.5-355B / 4.6 / 4.7: q/k norms, routed experts scaled by 2.5, group-limited routing
+        "glm4.6-moe": Glm4MoeConfig(**TINY_SHAPES, head_dim=16, n_routed_experts=4, n_shared_experts=1,
+                                    num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                                    partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
+                                    routed_scaling_factor=2.5, n_group=2, topk_group=1,
+                                    architectures=["Glm4MoeForCausalLM"]),
         "deepseek-v3": DeepseekV3Config(**{**TINY_SHAPES, "num_key_value_heads": 4}, n_routed_experts=4,
                                         n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
                                         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
@@ -445,30 +451,65 @@ def throughput_without_ray(rank: int, world: int, checkpoint: str) -> dict:
 
 
 
-def chunked_head(rank: int, world: int, checkpoint: str) -> dict:
-    """The chunked output layer (hidden states out of the model, ``ops.linear_logprobs`` over the vocab-parallel
-    weight, the CUDA default) against the model's own logits, with TP = ``world``: log-probs, entropies, and one
-    GRPO step's metrics and weights (rank 0 reports the largest differences)."""
+def cuda_paths_on_cpu(rank: int, world: int, checkpoint: str) -> dict:
+    """The CUDA defaults against the paths they replace, with TP = ``world``: the chunked output layer (hidden
+    states out, ``ops.linear_logprobs`` over the vocab-parallel weight) and the per-sample attention of packed
+    ``thd`` streams without Transformer Engine, each against the model's logits and the block-diagonal mask
+    path: log-probs, entropies, one GRPO step's metrics and the weights after it (largest differences)."""
     _setup()
-    import torch
-
     from slimecore.trainers.trainer import Trainer
 
     data = rank_part(synthetic_batch(), 1, 0)
     config = grpo_config(checkpoint, tensor_model_parallel_size=world)
-    runs = []
-    for chunk in (0, 4):
+    runs = {}
+    for name, chunk, packing in (("mask", 0, "mask"), ("chunked", 4, "mask"), ("segments", 0, "thd")):
         trainer = Trainer(config, _hooks(), rank=rank, world_size=world, backend="megatron")
-        trainer.backend.head_chunk = chunk
+        cores = {type(m).__name__ for chunk_ in trainer.backend.chunks for m in chunk_.modules()}
+        assert "SegmentAttention" in cores and "DotProductAttention" not in cores  # ready for thd streams
+        trainer.backend.head_chunk, trainer.backend.packing = chunk, packing
         log_probs = trainer.compute_log_probs(data)
         outputs = trainer.backend.run_micro_batches(
             data, [list(range(len(data["tokens"])))], lambda mb, out: (None, out), temperature=0.7,
             with_entropy=True, train=False)[0]
         metrics = trainer.train(0, copy.deepcopy(data))
-        runs.append((log_probs, outputs["entropy"], metrics, trainer.backend.named_weights()))
+        runs[name] = (log_probs, outputs["entropy"], metrics, trainer.backend.named_weights())
         del trainer
-    (lp0, ent0, m0, w0), (lp1, ent1, m1, w1) = runs
-    return {"log_probs": _max_diff(lp1, lp0), "entropy": _max_diff(ent1, ent0),
-            "metrics": {k: abs(m1[k] - m0[k]) for k in m0 if k.startswith("train/")},
-            "grad_norm": m0["train/grad_norm"],
-            "weights": _max_diff([w1[k] for k in sorted(w0)], [w0[k] for k in sorted(w0)]) if rank == 0 else None}
+    lp0, ent0, m0, w0 = runs["mask"]
+    out = {"grad_norm": m0["train/grad_norm"]}
+    for name in ("chunked", "segments"):
+        lp, ent, m, w = runs[name]
+        out[name] = {"log_probs": _max_diff(lp, lp0), "entropy": _max_diff(ent, ent0),
+                     "metrics": {k: abs(m[k] - m0[k]) for k in m0 if k.startswith("train/")},
+                     "weights": _max_diff([w[k] for k in sorted(w0)], [w0[k] for k in sorted(w0)]) if rank == 0
+                     else None}
+    return out
+
+
+def segment_attention_vs_mask(rank: int, world: int) -> dict:
+    """megatron-core's local ``DotProductAttention`` (grouped-query, causal) on a packed stream of three samples:
+    its masked forward with the block-diagonal mask against the same module turned into ``SegmentAttention`` and
+    fed the ``thd`` stream (largest difference)."""
+    _setup()
+    import torch
+    from megatron.core import parallel_state
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnMaskType
+
+    from slimecore.trainers.megatron import pack
+    from slimecore.trainers.megatron_model import per_segment_attention
+
+    parallel_state.initialize_model_parallel()
+    config = TransformerConfig(num_layers=1, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                               masked_softmax_fusion=False, attention_dropout=0.0, use_cpu_initialization=True)
+    core = DotProductAttention(config, layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self")
+    swapped = per_segment_attention([torch.nn.Sequential(core)])
+    tokens = [[1] * 5, [2] * 4, [3] * 6]
+    masked = pack(tokens, [1, 1, 1], "mask", 1, torch.device("cpu"))
+    packed = pack(tokens, [1, 1, 1], "thd", 1, torch.device("cpu"))
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(15, 1, heads, 8, generator=g) for heads in (4, 2, 2))  # (T, b, heads, d)
+    want = core(q, k, v, masked.attention_mask)  # (T, 1, 32)
+    got = core(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=packed.packed_seq_params)
+    return {"swapped": swapped and type(core).__name__ == "SegmentAttention",
+            "max_diff": float((got.reshape(want.shape) - want).abs().max())}

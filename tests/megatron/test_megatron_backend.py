@@ -107,13 +107,25 @@ def test_qwen3_moe_with_expert_parallelism(tmp_path):
     assert r0["round_trip_names_equal"] and r0["round_trip_exact"] and r0["tensors"] == 45
 
 
-def test_chunked_output_layer_equals_the_models_logits_with_tp2(tiny_checkpoint):
-    """The CUDA default (hidden states out, the vocab-parallel output layer in chunks with the logits recomputed
-    in backward) gives the model's own log-probs, entropies and GRPO step (fp32 1e-6) and updated weights."""
-    r0, r1 = run_ranks(checks.chunked_head, str(tiny_checkpoint), world=2, timeout=scaled(300))
-    assert r0["log_probs"] < 1e-6 and r0["entropy"] < 1e-6 and r1["log_probs"] < 1e-6
-    assert r0["grad_norm"] > 0.1 and all(v < 1e-6 for v in r0["metrics"].values()), r0["metrics"]
-    assert r0["weights"] < 1e-5  # one AdamW step of lr 1e-3: m / sqrt(v) magnifies rounding of tiny gradients
+def test_segment_attention_equals_megatrons_masked_attention():
+    """The per-sample attention of a packed stream gives megatron-core's own masked local attention's output."""
+    [r] = run_ranks(checks.segment_attention_vs_mask, world=1, timeout=scaled(300))
+    assert r["swapped"] and r["max_diff"] < TOL
+
+
+def test_cuda_paths_equal_the_paths_they_replace_with_tp2(tiny_checkpoint):
+    """Two CUDA defaults, run on the CPU with TP = 2: the chunked output layer (hidden states out, the
+    vocab-parallel head in chunks with the logits recomputed in backward) against the model's logits, and packed
+    ``thd`` streams through per-sample attention (no (T, T) mask; the default on a GPU without Transformer Engine)
+    against the block-diagonal mask: log-probs, entropies and a GRPO step within fp32 1e-6 (chunked head) and
+    1e-5 (attention), the weights after one AdamW step within 1e-5."""
+    r0, r1 = run_ranks(checks.cuda_paths_on_cpu, str(tiny_checkpoint), world=2, timeout=scaled(300))
+    assert r0["grad_norm"] > 0.1
+    for name, tol in (("chunked", 1e-6), ("segments", TOL)):
+        for r in (r0, r1):
+            assert r[name]["log_probs"] < tol and r[name]["entropy"] < tol, (name, r[name])
+        assert all(v < tol for v in r0[name]["metrics"].values()), (name, r0[name]["metrics"])
+        assert r0[name]["weights"] < 1e-5, name  # one AdamW step of lr 1e-3: m / sqrt(v) magnifies rounding
 
 
 def test_trainers_and_the_throughput_benchmark_run_without_ray(tiny_checkpoint):
