@@ -228,8 +228,10 @@ def test_a_run_leaves_a_folder_with_everything_in_it(finished_run, tiny_checkpoi
     cwd, proc = finished_run
     [run] = [p for p in (cwd / "runs").iterdir() if not p.is_symlink()]
     assert run.name.endswith("-grpo+digits_reward_plugin") and (cwd / "runs" / "latest").resolve() == run.resolve()
-    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png", "final"):
+    for name in ("config.yaml", "command.json", "metrics.jsonl", "samples.jsonl", "summary.json", "curves.png",
+                 "final"):
         assert (run / name).exists(), name
+    assert (run / "ray-logs").is_symlink() and any((run / "ray-logs").glob("worker-*"))  # the actors' output
     # the console: plain step lines (stdout/stderr are pipes here), then the summary with the paths
     lines = proc.stderr.splitlines()
     steps = [line for line in lines if line.startswith("step ") and "/" in line.split()[1]]
