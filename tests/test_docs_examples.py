@@ -18,9 +18,10 @@ from slimecore_cli.main import cli, train_plugins
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted(ROOT.glob("plugins/*/README.md"))]
-# Shapes of a command rather than commands: alternatives, an optional part, an arrow of a diagram. A bare "..."
-# (more flags of the user's) is left out and the rest parsed.
-SHAPE = re.compile(r"\[[^\]@]*\]|\||\s->\s")
+# Shapes of a command rather than commands: alternatives, an optional part, an arrow of a diagram, a flag named
+# to show the error a mistyped one gets (--no-such-flag). A bare "..." (more flags of the user's) is left out
+# and the rest parsed.
+SHAPE = re.compile(r"\[[^\]@]*\]|\||\s->\s|--no-such-")
 
 
 def examples() -> list[tuple[str, str]]:
