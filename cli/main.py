@@ -282,7 +282,7 @@ def models(specs, show, as_json):
         heads = f"{b.num_attention_heads} / " + ("MLA" if getattr(b, "kv_lora_rank", None) else str(b.num_query_groups))
         table.add_row(name, b.architecture.removesuffix("ForCausalLM"), str(b.num_layers), str(b.hidden_size),
                       str(b.ffn_hidden_size), heads, experts, file or "-")
-    Console().print(fit_table(table, Console().width, drop=("ffn", "architecture")))
+    Console().print(fit_table(table, Console().width, drop=("ffn", "architecture", "hidden")))
 
 
 @cli.group()
