@@ -1,6 +1,6 @@
 """Every installed algorithm's real loss gives the same loss and gradients (1e-6) whatever the
 micro-batching and the number of DP ranks: grpo (with KL loss, clip-higher, dual clip, entropy; TIS;
-ICEPOP), gspo,
+ICEPOP; CISPO; REINFORCE with the current-policy TIS weight), gspo,
 ppo's actor and critic, reinforce++ and reinforce++-baseline (whose advantage whitening spans the DP ranks).
 
 The plugins are loaded as a run loads them; only the batch is synthetic (``test_fsdp_trainer._data``). The
@@ -28,6 +28,9 @@ CASES = [
                       "eps_clip_high": 0.28, "eps_clip_c": 3.0}, "actor"),
     ("grpo-tis", "grpo", {"use_tis": True, "tis_clip": 1.5}, "actor"),
     ("grpo-icepop", "grpo", {"use_tis": True, "tis_mode": "icepop", "tis_clip_low": 0.5, "tis_clip": 5.0}, "actor"),
+    ("cispo", "grpo", {"advantage_estimator": "cispo", "eps_clip": 1.0, "eps_clip_high": 0.28}, "actor"),
+    ("reinforce-tis-current", "grpo", {"advantage_estimator": "reinforce", "use_tis": True, "tis_mode": "current",
+                                       "tis_clip": 1.5}, "actor"),
     ("gspo", "gspo", {}, "actor"),
     ("ppo-actor", "ppo", {"kl_coef": 0.05, "normalize_advantages": True}, "actor"),
     ("ppo-critic", "ppo", {}, "critic"),
