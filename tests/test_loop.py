@@ -138,6 +138,10 @@ def _prompts(dump: Path) -> list[tuple]:
     return [(s["index"], s["group_index"], s["prompt"]) for s in samples]
 
 
+def _tokens(dump: Path) -> list[list[int]]:
+    return [s["tokens"] for s in torch.load(dump, weights_only=False)["samples"]]
+
+
 def test_sigkill_then_resume_continues_with_the_same_prompts(tiny_checkpoint, tmp_path):
     # reference: an uninterrupted run of 4 steps
     ref = tmp_path / "ref"
@@ -165,3 +169,5 @@ def test_sigkill_then_resume_continues_with_the_same_prompts(tiny_checkpoint, tm
     assert [m["rollout/step"] for m in _metrics(run / "log2")] == [2, 3]
     for step in (2, 3):
         assert _prompts(run / f"resumed_{step}.pt") == _prompts(ref / f"dump_{step}.pt")
+    # and the resumed run's next rollout samples the uninterrupted run's tokens (the same weights and sampling seeds)
+    assert _tokens(run / "resumed_2.pt") == _tokens(ref / "dump_2.pt")
