@@ -31,7 +31,7 @@ def run_variant(variant: str, tokens: int, hidden: int, vocab: int, chunk: int, 
     device = "cuda" if cuda else "cpu"
     torch.manual_seed(0)
     h = torch.randn(tokens, hidden, device=device, requires_grad=True)
-    w = (torch.randn(vocab, hidden, device=device) * 0.02).requires_grad_()
+    w = torch.randn(vocab, hidden, device=device).mul_(0.02).requires_grad_()  # in place: no transient copy
     targets = torch.randint(0, vocab, (tokens,), device=device)
     autocast = torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bf16")
     if cuda:

@@ -5,7 +5,8 @@
 #
 # The GPU machine has torch (and triton) and no network. The folder holds what the check needs beyond them:
 # megatron-core, mbridge and einops; transformers at the pin the project is tested with, and what it needs;
-# pluggy, PyYAML, numpy, pytest and pytest-timeout; setuptools (the editable installs of slime-core and its
+# pluggy, PyYAML, numpy, pytest and pytest-timeout; aiohttp (slime-core's default plugins import it);
+# setuptools (the editable installs of slime-core and its
 # plugins); the sglang wheel without its dependencies, and pybase64, the one package beside torch that the code
 # of its weight-sync wire uses (MultiprocessingSerializer and SafeUnpickler in sglang/srt/utils/common.py,
 # FlattenedTensorBucket in sglang/srt/weight_sync/tensor_bucket.py). The test loads those classes from the
@@ -22,12 +23,15 @@ read -r -a platform <<< "${GPU_WHEELS_PLATFORM:-}"
 download() { "$python" -m pip download -q --disable-pip-version-check --dest "$dir" "${platform[@]}" "$@"; }
 
 # With their dependencies (none of these depends on torch)
-download transformers==5.24.0 pluggy pyyaml numpy "pytest>=8" pytest-timeout einops setuptools
+download transformers==5.24.0 pluggy pyyaml numpy "pytest>=8" pytest-timeout einops setuptools aiohttp
 # Without: each would pull torch (megatron-core, mbridge) or SGLang's whole GPU server (sglang)
 download --no-deps "megatron-core>=0.16,<0.17" "mbridge>=0.15.1,<0.16" sglang==0.5.15.post1 pybase64
 # What torch already brought (filelock, fsspec, typing-extensions) and hf-xet, the hub's download accelerator
 # (huggingface-hub imports it only to download; the check runs offline)
-rm -f "$dir"/filelock-*.whl "$dir"/fsspec-*.whl "$dir"/typing_extensions-*.whl "$dir"/hf_xet-*.whl
+# and the command-line tooling of transformers and the hub (typer, rich and theirs), which the check never runs
+rm -f "$dir"/filelock-*.whl "$dir"/fsspec-*.whl "$dir"/typing_extensions-*.whl "$dir"/hf_xet-*.whl \
+  "$dir"/typer-*.whl "$dir"/rich-*.whl "$dir"/pygments-*.whl "$dir"/click-*.whl "$dir"/markdown_it_py-*.whl \
+  "$dir"/mdurl-*.whl "$dir"/shellingham-*.whl
 
 bytes=$(du -sb "$dir" | cut -f1)
 echo "wheel folder $dir: $(ls "$dir" | wc -l) files, $((bytes / 1024 / 1024)) MiB"

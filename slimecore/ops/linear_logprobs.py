@@ -73,8 +73,11 @@ class _LinearLogProbs(torch.autograd.Function):
             d_logits = dz.div_(temperature).to(compute_dtype)  # (c, V_local)
             if want_hidden:
                 grad_hidden[a:b] = (d_logits @ w).to(hidden.dtype)
-            if want_weight:
-                grad_weight += (d_logits.t() @ h).float()
+            if want_weight:  # fp32: accumulated in place; else one (V, H) product in compute_dtype per chunk
+                if compute_dtype == torch.float32:
+                    grad_weight.addmm_(d_logits.t(), h)
+                else:
+                    grad_weight += d_logits.t() @ h
             if grad_bias is not None:
                 grad_bias += d_logits.float().sum(0)
         return (grad_hidden, grad_weight.to(weight.dtype) if want_weight else None,
