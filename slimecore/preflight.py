@@ -11,14 +11,12 @@ loop (Ray and the rest), ``slimecore.loop.run`` when its caller did not.
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
 import os
-import sys
 from pathlib import Path
 
-from slimecore.config import CORE_BY_NAME, Config, ConfigError
+from slimecore.config import CORE_BY_NAME, Config, ConfigError, may_have_gpus
 from slimecore.plugins import Hooks, PluginError
 
 ROWS_RENDERED = 16  # rows whose chat template is rendered in the driver (the keys of every row are checked)
@@ -74,15 +72,6 @@ def check_router_installed() -> None:
         raise ConfigError("the sglang-router package or its compiled router (sglang_router.sglang_router_rs) is not "
                           "installed in this environment, and the rollout needs it in front of the engines; "
                           "pip install --force-reinstall 'sglang-router>=0.3'")
-
-
-def may_have_gpus() -> bool:
-    """Whether Ray may find GPUs here, without importing torch (1.2 s before Ray): torch's answer when a plugin
-    loaded it, else whether an NVIDIA or AMD GPU device node exists. A wrong yes only leaves the placement check
-    to ``create_placement`` once Ray is up."""
-    if "torch" in sys.modules:
-        return sys.modules["torch"].cuda.device_count() > 0
-    return bool(glob.glob("/dev/nvidia[0-9]*")) or os.path.exists("/dev/kfd")
 
 
 def check_hook_signatures(hooks: Hooks) -> None:
