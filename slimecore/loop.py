@@ -34,7 +34,7 @@ from slimecore.startup import driver, prepare
 from slimecore.tracking import Tracker
 from slimecore.trainers.actor import RoleGroups
 from slimecore.trainers.roles import TrainRole
-from slimecore.weight_repush import REPUSH, WeightRepush
+from slimecore.weight_updates import REPUSH, WeightRepush
 
 log = logging.getLogger("slimecore.loop")
 StepCallback = Callable[[int, int, dict], None]

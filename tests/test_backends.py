@@ -48,3 +48,11 @@ def test_unknown_backend_and_values_of_a_policy_are_refused(tiny_checkpoint):
         Trainer(config, load_plugins([]), backend="deepspeed")
     with pytest.raises(RuntimeError, match="role 'actor' is not a value model"):
         Trainer(config, load_plugins([])).compute_values({"tokens": [], "steps": []})
+
+
+def test_the_data_parallel_ranks_come_from_the_backends_driver_side():
+    from slimecore.trainers.backend import data_parallel_ranks
+
+    assert data_parallel_ranks(Config.make(train_backend="fsdp"), 4) == [0, 1, 2, 3]
+    megatron = Config.make(train_backend="megatron", tensor_model_parallel_size=2)
+    assert data_parallel_ranks(megatron, 4) == [0, 0, 1, 1]  # the two ranks of a TP group train on the same data

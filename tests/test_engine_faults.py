@@ -66,7 +66,7 @@ def test_run_survives_engine_kill_engine_hang_and_router_kill(tiny_checkpoint, t
 
 def test_fully_async_engine_restart_serves_the_trainers_weights_under_their_own_version(tiny_checkpoint, tmp_path):
     """One engine, killed mid-rollout in a ``--fully-async`` run: no engine serves the pushed weights, so the
-    driver has the trainers push again while they train the step before (slimecore.weight_repush). The weights
+    driver has the trainers push again while they train the step before (slimecore.weight_updates). The weights
     they hold then are one update newer than the last push, and the engine must serve them under that version:
     every trained sample's label is checked against the weights that generated it (the engine's log-probs equal
     the trainer's exactly for the step's own version, and differ for older ones)."""
@@ -117,7 +117,7 @@ def _sharded_fully_async_args(checkpoint, log_dir: Path, fault_log: Path, *extra
 
 def test_two_sharded_train_ranks_push_again_to_a_restarted_engine(tiny_checkpoint, tmp_path):
     """The push again that brings the engine back comes from the driver, in the order of the driver's other
-    calls on every rank (slimecore.weight_repush), and the run finishes."""
+    calls on every rank (slimecore.weight_updates), and the run finishes."""
     log_dir = tmp_path / "run"
     proc = subprocess.run(_sharded_fully_async_args(tiny_checkpoint, log_dir, tmp_path / "faults.jsonl"),
                           capture_output=True, text=True, timeout=timeout(480))

@@ -107,7 +107,7 @@ def test_a_restarted_engine_waits_for_a_push_that_reaches_it(ray_session, fleet)
 def test_with_no_engine_on_the_pushed_weights_the_trainers_push_again(ray_session, fleet):
     """The case of one engine, or of every engine failing before the next push (a rollout waits for engines,
     so no push would come): the fleet asks for a push again (``repush_request``, served by the driver in a run,
-    slimecore.weight_repush); the trainers push the weights they hold, which may be a version newer than the
+    slimecore.weight_updates); the trainers push the weights they hold, which may be a version newer than the
     last push (they trained a step since), and the engines go back in serving that version."""
     fleet.trainers_push = True
     assert fleet.repush_request(0.1) == []  # nothing asked while the engines serve the pushed weights

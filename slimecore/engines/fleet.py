@@ -20,7 +20,7 @@ a push was under way, which the push missed, waits for the one after. An engine 
 push missed (it could not be reached, and came back) goes out the same way. When no engine in the
 router serves the pushed weights (every engine failed, or there is one engine), no push would come while
 the rollout waits for engines: the fleet asks for a push again (``repush_request``), the driver has the
-trainers push the weights they hold to the engines that wait (``slimecore.weight_repush``), labelled
+trainers push the weights they hold to the engines that wait (``slimecore.weight_updates``), labelled
 with the version those weights are (in the async loops the trainers may have trained a step since the
 last push), and the engines go back in (``repushed``). The driver, not this process, sends that push, so
 its calls reach every train rank in the order of the driver's other calls (a collective gather of sharded

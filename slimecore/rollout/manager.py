@@ -138,7 +138,7 @@ class RolloutManager:
             self.fleet.admit_pushed(str(version))
         self.loop.run_until_complete(self.client.continue_generation())
 
-    # called in the REPUSH concurrency group, while a step runs in the default one (slimecore.weight_repush)
+    # called in the REPUSH concurrency group, while a step runs in the default one (slimecore.weight_updates)
     def repush_request(self, wait: float) -> list:
         """The endpoints of the engines waiting for the trainers to push their weights again, ``[]`` if none
         within ``wait`` seconds."""

@@ -23,6 +23,7 @@ from slimecore.config import Config, torch_threads
 from slimecore.engines.router import free_port
 from slimecore.plugins import load_for_config
 from slimecore.raytools import TRAIN_GPU_SHARE, bundle_options, local_gpu, ray_get, spans_nodes
+from slimecore.trainers.backend import data_parallel_ranks
 from slimecore.trainers.roles import ACTOR, TrainRole
 
 
@@ -150,7 +151,7 @@ class TrainActor:
     def push_held_weights(self, endpoints: list, transport: str, checksum: str | None = None) -> tuple:
         """Push the weights held now to engines restarted since the last push, labelled with the version they
         are: the run may have trained a step since that push (the async loops), so its version would be one
-        behind them. Returns that version and the checksums of what was sent (``slimecore.weight_repush``)."""
+        behind them. Returns that version and the checksums of what was sent (``slimecore.weight_updates``)."""
         figures = self.push_weights(endpoints, self.weights_version, transport, checksum)
         return self.weights_version, (figures or {}).get("checksums")
 
@@ -251,19 +252,15 @@ class TrainGroup:
         actor_cls = ray.remote(TrainActor)
         # Ray runs an actor's calls in the order this process submitted them, whichever thread submitted them; a
         # call is submitted to every rank under this lock, so the driver's step and its push of the weights
-        # again to restarted engines (slimecore.weight_repush) reach every rank in one order, as collectives need
+        # again to restarted engines (slimecore.weight_updates) reach every rank in one order, as collectives need
         self._order = threading.Lock()
         self.actors = []
         for rank, bundle in enumerate(bundles):
             options = bundle_options(pg, bundle, config.num_cpus_per_actor, TRAIN_GPU_SHARE)
             self.actors.append(actor_cls.options(**options).remote(config.to_dict(), rank, world, master_addr, port,
                                                                       role))
-        # each rank's data-parallel rank: the ranks of one megatron TP/PP group train on the same data
-        self.data_ranks = list(range(world))
-        if config.train_backend == "megatron":
-            from slimecore.trainers.megatron import data_parallel_rank
-
-            self.data_ranks = [data_parallel_rank(config, rank, world) for rank in range(world)]
+        # each rank's data-parallel rank: the ranks of one model-parallel group (megatron's TP/PP) share data
+        self.data_ranks = data_parallel_ranks(config, world)
         # asked once the ranks are up: the driver unlinks these files when the run ends, however the ranks end
         self.shared_files = [f for files in self._all("shared_memory_files", what=f"{role} train actors to start")
                              for f in files]

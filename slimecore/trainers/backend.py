@@ -109,31 +109,42 @@ class TrainBackend(Protocol):
         ...
 
 
-# --train-backend NAME -> "module:function" of the checks the driver makes before Ray for a run on that backend:
-# ``check_startup(config, hooks)``, returning the model's shape it found (a Megatron bridge) or None. The module is
-# imported only for a run on that backend, so the checks may stand beside its torch code; a backend whose ranks
-# check all they need has no entry (the fsdp driver imports no torch).
-STARTUP_CHECKS = {"megatron": "slimecore.trainers.megatron:check_startup"}
+# --train-backend NAME -> the module of what the driver asks of that backend before its ranks exist:
+# ``check_startup(config, hooks)`` (checks before Ray; returns the model's shape it found, a Megatron bridge, or
+# None) and ``data_parallel_rank(config, rank, world_size)`` (the data a rank trains on, when model-parallel ranks
+# share it). Imported only for a run on that backend, so these may stand beside its torch code; a backend with no
+# entry is checked by its ranks and gives every rank its own data (the fsdp driver imports no torch).
+DRIVER_SIDE = {"megatron": "slimecore.trainers.megatron"}
 
 
-def _load(target: str):
-    module, _, attr = target.partition(":")
-    return getattr(importlib.import_module(module), attr)
+def _driver_side(config):
+    module = DRIVER_SIDE.get(config.train_backend)
+    return importlib.import_module(module) if module else None
 
 
 def backend_class(name: str) -> type:
     """The backend class of ``--train-backend name``."""
     if name not in TRAIN_BACKENDS:
         raise ValueError(f"unknown training backend {name!r}; known: {', '.join(TRAIN_BACKENDS)}")
-    return _load(TRAIN_BACKENDS[name])
+    module, _, attr = TRAIN_BACKENDS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def data_parallel_ranks(config, world_size: int) -> list[int]:
+    """Each train rank's data-parallel rank (``DRIVER_SIDE``): the ranks of one model-parallel group train on the
+    same data; without model parallelism every rank is its own."""
+    side = _driver_side(config)
+    if side is None:
+        return list(range(world_size))
+    return [side.data_parallel_rank(config, rank, world_size) for rank in range(world_size)]
 
 
 def check_startup(config, hooks) -> None:
-    """Before Ray (``slimecore.startup.prepare``): the run's backend's own checks (``STARTUP_CHECKS``), then the
+    """Before Ray (``slimecore.startup.prepare``): the run's backend's own checks (``DRIVER_SIDE``), then the
     Megatron arguments given as flags against the checkpoint's ``config.json`` (through the shape those checks
     found, where they found one)."""
-    target = STARTUP_CHECKS.get(config.train_backend)
-    shape = _load(target)(config, hooks) if target else None
+    side = _driver_side(config)
+    shape = side.check_startup(config, hooks) if side else None
     if config.megatron_args:
         from transformers import AutoConfig
 

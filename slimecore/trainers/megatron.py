@@ -115,7 +115,7 @@ def check_config(config, world_size: int) -> None:
 
 
 def check_startup(config, hooks):
-    """Driver-side checks before Ray starts (``slimecore.trainers.backend.STARTUP_CHECKS``): options, the roles, and
+    """Driver-side checks before Ray starts (``slimecore.trainers.backend.DRIVER_SIDE``): options, the roles, and
     a bridge that can build this architecture, which it returns."""
     from transformers import AutoConfig
 
