@@ -16,7 +16,7 @@ class _Group:
         self.loaded = directory
 
 
-def test_every_role_loads_from_its_own_directory_and_a_missing_role_is_named(tmp_path):
+def test_every_role_loads_from_its_own_directory_and_a_missing_role_is_named(tmp_path, ray_session):
     directory = checkpoint.iteration_dir(tmp_path, 4)
     (directory / "actor").mkdir(parents=True)
     torch.save({"rollout_id": 4, "data_state": {}, "policy_version": 5}, directory / "rollout_state.pt")
@@ -35,13 +35,7 @@ def test_every_role_loads_from_its_own_directory_and_a_missing_role_is_named(tmp
 
                 return ray.put(state)
 
-    import ray
-
-    ray.init(address="local", num_cpus=1, include_dashboard=False, object_store_memory=80 * 1024 * 1024)
-    try:
-        assert checkpoint.load(config, {"actor": actor, "critic": critic}, _Manager()) == (5, 5)
-    finally:
-        ray.shutdown()
+    assert checkpoint.load(config, {"actor": actor, "critic": critic}, _Manager()) == (5, 5)  # the session's Ray
     assert actor.loaded.endswith("actor") and critic.loaded.endswith("critic")
 
 
