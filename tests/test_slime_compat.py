@@ -84,7 +84,9 @@ def test_generate_reward_filter_hooks_and_loss_replace_grpos(tiny_checkpoint, wo
     # trained samples come from even groups only (the filter), and the last of each group has no loss tokens
     for post in (c for c in calls if c["what"] == "postprocess"):
         assert all((index // 2) % 2 == 0 for index in post["sample_indices"])
-        assert post["loss_mask_sums"][1::2] == [0] * (len(post["sample_indices"]) // 2)
+        # (the trainer's micro-batches run longest first, so a group's samples need not stay in order)
+        last = [m for i, m in zip(post["sample_indices"], post["loss_mask_sums"]) if i % 2 == 1]
+        assert last == [0] * (len(post["sample_indices"]) // 2)
         assert {"unconcat_tokens", "total_lengths", "raw_reward", "advantages", "log_probs"} <= set(post["keys"])
     driver = {c["pid"] for c in calls if c["what"] == "loss"} & {c["pid"] for c in calls if c["what"] == "reward"}
     assert not driver  # the loss ran in a train actor, the reward in the rollout manager
