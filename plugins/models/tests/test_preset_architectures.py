@@ -1,12 +1,14 @@
 """The presets added on existing bridges (GLM-4.5-355B / 4.6 / 4.7, GLM-Z1, Kimi K2, Moonlight), each on a tiny random
 config of its own kind: the bridge reads the settings that set it apart (q/k norms, routed scaling, group-limited
 routing, YaRN, no q LoRA, two shared experts) and transformers' own model class for the architecture builds and runs
-it. GLM-4.6's tiny config is ``tiny_hf_configs()["glm4.6-moe"]`` in tests/megatron, beside the architectures whose
+it, and the fsdp backend trains it one GRPO step. GLM-4.6's tiny config is ``tiny_hf_configs()["glm4.6-moe"]`` in tests/megatron, beside the architectures whose
 Megatron logits are compared with HF's; the DeepSeek-V3 family (Kimi K2, Moonlight) builds in Megatron only with
 Transformer Engine and CUDA (slime_models.megatron)."""
 
 from __future__ import annotations
 
+import copy
+import math
 import sys
 from pathlib import Path
 
@@ -17,7 +19,8 @@ from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4Config
 from slime_models.plugin import bridge_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "tests" / "megatron"))
-from megatron_checks import TINY_SHAPES, tiny_hf_configs  # noqa: E402
+from megatron_checks import (TINY_SHAPES, _hooks, grpo_config, rank_part, synthetic_batch,  # noqa: E402
+                             tiny_hf_configs)
 
 _DEEPSEEK_FAMILY = dict(**{**TINY_SHAPES, "num_key_value_heads": 4}, n_routed_experts=4, num_experts_per_tok=2,
                         moe_intermediate_size=32, first_k_dense_replace=1, kv_lora_rank=16, qk_nope_head_dim=16,
@@ -58,3 +61,19 @@ def test_tiny_config_of_the_preset_kind_reads_as_its_preset_and_runs_in_transfor
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([[5, 6, 7, 8]])).logits
     assert logits.shape == (1, 4, hf.vocab_size) and torch.isfinite(logits).all()
+
+
+@pytest.mark.parametrize("kind", sorted(TINY))
+def test_fsdp_trains_the_preset_kind_one_step(kind, tmp_path):
+    from slimecore.testing.tiny import build_tokenizer
+    from slimecore.trainers.trainer import Trainer
+
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(TINY[kind]()).to(torch.float32).save_pretrained(tmp_path)
+    build_tokenizer().save_pretrained(tmp_path)
+    trainer = Trainer(grpo_config(str(tmp_path)), _hooks(), backend="fsdp")
+    before = {name: weight.clone() for name, weight in trainer.backend.named_weights().items()}
+    metrics = trainer.train(0, copy.deepcopy(rank_part(synthetic_batch(), 1, 0)))
+    after = trainer.backend.named_weights()
+    assert math.isfinite(metrics["train/loss"]) and metrics["train/grad_norm"] > 0
+    assert sum(not torch.equal(before[name], after[name]) for name in before) > len(before) // 2
