@@ -19,6 +19,7 @@ from slimecore.config import Config, ConfigError
 from slimecore.errors import RewardFailureError, check_reward_failures, describe
 from slimecore.plugins import HookCallError
 from slimecore.agents.protocol import APIError
+from slimecore.answers import HookAnswerError
 from slimecore.testing import timeout
 from slimecore.types import Sample, Status
 
@@ -47,6 +48,8 @@ def _instance(cls):
         return HookCallError("my_plugin", "slime_reward", _NeedsTwoArguments(7, "the judge is down"))
     if cls is APIError:
         return APIError("invalid_request", "what happened; what to do", param="messages")
+    if cls is HookAnswerError:
+        return HookAnswerError("my_plugin", "slime_reward", "'good' (a str); a reward is a float")
     return cls("what happened; what to do")
 
 
