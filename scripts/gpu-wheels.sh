@@ -28,9 +28,9 @@ download transformers==5.24.0 pluggy pyyaml numpy "pytest>=8" pytest-timeout ein
 download --no-deps "megatron-core>=0.16,<0.17" "mbridge>=0.15.1,<0.16" sglang==0.5.15.post1 pybase64
 # What torch already brought (filelock, fsspec, typing-extensions) and hf-xet, the hub's download accelerator
 # (huggingface-hub imports it only to download; the check runs offline)
-# and the command-line tooling of transformers and the hub (typer, rich and theirs), which the check never runs
+# and the command-line tooling of transformers and the hub (typer, rich and theirs; pytest needs pygments)
 rm -f "$dir"/filelock-*.whl "$dir"/fsspec-*.whl "$dir"/typing_extensions-*.whl "$dir"/hf_xet-*.whl \
-  "$dir"/typer-*.whl "$dir"/rich-*.whl "$dir"/pygments-*.whl "$dir"/click-*.whl "$dir"/markdown_it_py-*.whl \
+  "$dir"/typer-*.whl "$dir"/rich-*.whl "$dir"/click-*.whl "$dir"/markdown_it_py-*.whl \
   "$dir"/mdurl-*.whl "$dir"/shellingham-*.whl
 
 bytes=$(du -sb "$dir" | cut -f1)
