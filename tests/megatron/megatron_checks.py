@@ -354,12 +354,6 @@ def tiny_hf_configs() -> dict:
                                     partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
                                     routed_scaling_factor=2.5, n_group=2, topk_group=1,
                                     architectures=["Glm4MoeForCausalLM"]),
-        # GLM-4.5-355B / 4.6 / 4.7: q/k norms, routed experts scaled by 2.5, group-limited routing
-        "glm4.6-moe": Glm4MoeConfig(**TINY_SHAPES, head_dim=16, n_routed_experts=4, n_shared_experts=1,
-                                    num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                                    partial_rotary_factor=0.5, attention_bias=True, use_qk_norm=True,
-                                    routed_scaling_factor=2.5, n_group=2, topk_group=1,
-                                    architectures=["Glm4MoeForCausalLM"]),
         "deepseek-v3": DeepseekV3Config(**{**TINY_SHAPES, "num_key_value_heads": 4}, n_routed_experts=4,
                                         n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
                                         first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=16,
