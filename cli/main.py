@@ -114,7 +114,9 @@ def train_config(loaded: tuple) -> tuple:
     config = parse_config(argv, specs, declared, implied, hooks.slime_quickstart_options())
     if (config.train_backend == "megatron" and not hooks.implementers("slime_model_bridge") and "models" not in specs
             and "models" in installed_entry_points()):  # slime's scripts name no bridge plugin: the installed one
-        return train_config(train_plugins([*argv, *(a for s in specs for a in ("--plugin", s)), "--plugin", "models"]))
+        named = {normalize_spec(s) for s in prescan(argv)[0]}  # (a plugin the command line names is not named twice)
+        extra = [a for s in specs if s not in named for a in ("--plugin", s)]
+        return train_config(train_plugins([*argv, *extra, "--plugin", "models"]))
     validate(config, hooks)
     return config, hooks, implied
 

@@ -192,6 +192,7 @@ def test_cli_refuses_what_megatron_cannot_run_before_ray_starts(tiny_checkpoint)
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2 and "--context-parallel-size > 1 is not supported" in result.output
     assert "models 0.1.0 [entry point]" in result.output and "Ray" not in result.output
+    assert result.output.count("grpo 0.1.0 [entry point]") == 1  # the plugin the command names, loaded once
 
 
 def test_critic_role_is_refused_at_startup(tiny_checkpoint):
