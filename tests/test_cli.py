@@ -1,6 +1,7 @@
 """The command line: version, help everywhere, plugins and hooks listings, data, start-up errors."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -23,10 +24,12 @@ def test_version_and_help_on_every_command():
 
 
 def test_train_help_lists_plugin_options():
-    result = run("train", "--plugin", "grpo", "--help")
-    assert result.exit_code == 0
-    assert "--rollout-batch-size INT" in result.output and "--eps-clip FLOAT" in result.output
-    assert "\nalgorithm plugin:\n" in result.output and "(grpo) [default 0.2]" in result.output
+    # the real command in its own process: what a user types, untouched by plugins other tests loaded here
+    result = subprocess.run([sys.executable, "-m", "slimecore_cli", "train", "--plugin", "grpo", "--help"],
+                            capture_output=True, text=True, timeout=scaled(60), env={**os.environ, "COLUMNS": "100"})
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "--rollout-batch-size INT" in result.stdout and "--eps-clip FLOAT" in result.stdout
+    assert "\nalgorithm plugin:\n" in result.stdout and "(grpo) [default 0.2]" in result.stdout
 
 
 def test_plugins_and_hooks_listings():

@@ -25,6 +25,7 @@ import ast
 import importlib.util
 import io
 import json
+import os
 import pickle
 import sys
 import types
@@ -113,7 +114,11 @@ def main() -> None:
         address, port, device, bodies, target = sys.argv[2:7]
         result = receive_broadcasts(wire, address, int(port), json.loads(Path(bodies).read_text()), device)
         Path(target).write_text(json.dumps(result))
-        return
+        # end here: at interpreter exit gloo's threads of the still-joined group may abort the process
+        # ("terminate called without an active exception") after the work is done and written
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     body = json.loads(Path(sys.argv[1]).read_text())
     assert body["load_format"] == "flattened_bucket", body["load_format"]
     out = []

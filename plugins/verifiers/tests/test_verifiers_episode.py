@@ -34,7 +34,9 @@ def test_one_episode_is_recorded_with_exact_tokens_and_scored_by_the_rubric(agen
     reply = turns[0].text
     numbers = re.findall(r"\d+", reply)
     assert reward == meta["rewards"]["correct"] == float(bool(numbers) and numbers[0] == task.data.answer)
-    assert meta["metrics"]["reply_chars"] == len(reply)
+    # the tiny random model may write bytes that are not UTF-8: the reply the environment read and the turn's
+    # text then may count a broken byte run as a different number of U+FFFD characters, and nothing else differs
+    assert abs(meta["metrics"]["reply_chars"] - len(reply)) <= reply.count("\ufffd")
     assert samples[0].tokens == turns[0].prompt_ids + turns[0].output_ids  # the engine's own ids, nothing re-tokenised
     assert samples[0].rollout_log_probs == turns[0].log_probs and sum(samples[0].loss_mask) == len(turns[0].output_ids)
     assert task.data.prompt in agent_sessions.tokenizer.decode(turns[0].prompt_ids)  # the harness sent the task
