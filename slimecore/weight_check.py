@@ -169,11 +169,24 @@ def check_engines(expected: dict[str, str], urls: list[str], version: str, every
         try:
             return http_json("POST", url + "/weights_checker", {"action": "checksum"}, timeout=timeout,
                              api_key=api_key)[1]
-        except OSError as exc:
-            return f"no answer ({exc})"
+        except OSError as exc:  # no connection: the engine died (an HTTP error is an answer, checked below)
+            return _Unreachable(str(exc))
 
     with ThreadPoolExecutor(max_workers=max(len(urls), 1), thread_name_prefix="slimecore-weight-check") as pool:
-        return check_answers(expected, dict(zip(urls, pool.map(ask, urls))), version, every_name)
+        answers = dict(zip(urls, pool.map(ask, urls)))
+    for url, answer in list(answers.items()):
+        if isinstance(answer, _Unreachable):
+            # it died after the sync: the fault monitor restarts it, and the restarted engine is checked after
+            # the trainers push the weights to it again, before it goes back in the router
+            log.warning("weight check v%s: engine %s cannot be reached (%s); not checked here, the fault monitor "
+                        "restarts it and checks it after the push again", version, url, answer.reason)
+            del answers[url]
+    return check_answers(expected, answers, version, every_name)
+
+
+class _Unreachable:
+    def __init__(self, reason: str):
+        self.reason = reason
 
 
 def due(mode: str, syncs_checked: int) -> bool:

@@ -105,11 +105,13 @@ def test_fully_async_engine_restart_serves_the_trainers_weights_under_their_own_
 
 def _sharded_fully_async_args(checkpoint, log_dir: Path, fault_log: Path, *extra: str) -> list[str]:
     """Two train ranks whose weights are sharded (gathering them for a push is a collective), one engine that
-    is killed at step 1 of a ``--fully-async`` run."""
+    is killed at step 1 of a ``--fully-async`` run. Four steps: the worker runs one step's groups ahead, so the
+    kill may hit a group of step 2, and step 3's groups then need the restarted engine (with three steps a busy
+    machine could finish the run on groups generated before the kill, and the restart go uncounted)."""
     return [sys.executable, "-m", "slimecore_cli", "train", "--plugin", "grpo", "--plugin", str(HERE / "fault_plugin.py"),
             "--plugin", str(HERE / "shard_plugin.py"), "--hf-checkpoint", str(checkpoint), "--task", "compare",
             "--rollout-batch-size", "2", "--n-samples-per-prompt", "4", "--rollout-max-response-len", "16",
-            "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "2", "--fully-async", "--num-rollout", "3",
+            "--rollout-num-gpus", "1", "--actor-num-gpus-per-node", "2", "--fully-async", "--num-rollout", "4",
             "--lr", "1e-4", "--log-dir", str(log_dir), "--no-use-tensorboard", "--rollout-health-check-interval", "1",
             "--rollout-health-check-timeout", f"{timeout(5):g}", "--fault-at", "1:engine-kill",
             "--fault-log", str(fault_log), *extra]
@@ -124,7 +126,7 @@ def test_two_sharded_train_ranks_push_again_to_a_restarted_engine(tiny_checkpoin
     text = proc.stdout + proc.stderr
     assert proc.returncode == 0, text[-8000:]
     steps = [json.loads(line) for line in (log_dir / "metrics.jsonl").read_text().splitlines()]
-    assert len(steps) == 3 and sum(m["rollout/engine_restarts"] for m in steps) >= 1
+    assert len(steps) == 4 and sum(m["rollout/engine_restarts"] for m in steps) >= 1
     assert re.search(r"the trainers pushed their weights v\d+ again", text), text[-8000:]
 
 

@@ -7,6 +7,8 @@ request classes of the installed ``sglang`` wheel (scripts/setup.sh installs it)
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import torch
 from fixtures_engine import http_json
@@ -327,6 +329,11 @@ def test_corrupted_sync_names_engine_version_and_tensor(ray_session, engine_acto
     expected = figures["checksums"]
     assert expected == checksums(named) and len(expected) == len(named)
     assert check_engines(expected, [url], "11", every_name=True) == len(named)
+    # an engine that died after the sync (nothing listens) is left to the fault monitor, not a stop
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    assert check_engines(expected, [url, dead], "11", every_name=True) == len(named)
 
     name = "model.layers.1.mlp.up_proj.weight"
     perturbed = dict(named)[name].clone()
