@@ -32,19 +32,53 @@ def _payload_buffer(bucket, device: str) -> torch.Tensor | None:
     return buffer
 
 
+def _mixed_bucket(device: str) -> weight_sync.NamedTensors:
+    """Odd-length narrow tensors before wide ones: packed back to back in this order, the fp32 and int64 spans
+    would start at offsets SGLang's ``reconstruct_tensors`` cannot view as their dtype."""
+    g = torch.Generator().manual_seed(0)
+    return [("x.bf16", torch.randn(7, 5, generator=g).to(device, torch.bfloat16)),
+            ("x.fp32", torch.randn(3, 3, generator=g).to(device)),
+            ("x.uint8", torch.arange(5, dtype=torch.uint8).to(device)),
+            ("x.fp16", torch.randn(3, generator=g).to(device, torch.float16)),
+            ("x.int64", torch.arange(11, device=device)),
+            ("x.bf16b", torch.randn(1, generator=g).to(device, torch.bfloat16))]
+
+
+def test_a_mixed_dtype_bucket_round_trips_through_sglangs_flattened_tensor_bucket():
+    """Both ends in SGLang's own class, in process: the tensor path's flattened bucket and metadata rebuilt by
+    ``FlattenedTensorBucket(flattened_tensor=, metadata=)``, and the distributed path's broadcast bytes landing in
+    the bucket SGLang builds from the ``/update_weights_from_distributed`` body (``named_tensors=`` of empty
+    tensors), give back every tensor bit for bit. Packed in the caller's order, SGLang's class fails on this
+    bucket itself (its own producer included)."""
+    from slimecore.testing.sglang_wire import sglang_wire
+
+    wire, bucket = sglang_wire(), _mixed_bucket("cpu")
+    with pytest.raises(RuntimeError, match="must be divisible"):
+        wire.FlattenedTensorBucket(named_tensors=bucket).reconstruct_tensors()
+    want = weight_sync.digest(bucket)
+    flat, metadata = weight_sync.flatten(bucket)
+    assert flat.numel() == sum(t.numel() * t.element_size() for _, t in bucket)  # nothing between the spans
+    got = wire.FlattenedTensorBucket(flattened_tensor=flat, metadata=[
+        wire.FlattenedTensorMetadata(**vars(m)) for m in metadata]).reconstruct_tensors()
+    assert weight_sync.digest(got) == want and len(got) == len(bucket)
+    body = weight_sync.distributed_body(bucket, "g", "1")
+    receiving = wire.FlattenedTensorBucket(named_tensors=[
+        (name, torch.empty(shape, dtype=getattr(torch, dtype)))
+        for name, dtype, shape in zip(body["names"], body["dtypes"], body["shapes"])])
+    receiving.get_flattened_tensor().copy_(flat)  # what the broadcast does
+    assert weight_sync.digest(receiving.reconstruct_tensors()) == want
+    # the embedded engine's receiver lays the body out the same way
+    layout = weight_sync.layout(body["names"], body["dtypes"], body["shapes"])
+    assert [(m.start_idx, m.end_idx) for m in layout] == [(m.start_idx, m.end_idx) for m in metadata]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_sglang_opens_the_trainers_flattened_buckets_bit_for_bit(tiny_checkpoint, tmp_path, device):
     from slimecore.trainers.fsdp import FSDPBackend
 
     backend = FSDPBackend(Config.make(hf_checkpoint=str(tiny_checkpoint)), device=device)
     buckets = list(backend.hf_weight_buckets(256 * 1024))  # the trainer's export: several buckets
-    # and the dtypes a bf16 or quantised export carries. Widest element first: SGLang's reconstruct_tensors views
-    # each byte span as its dtype, which needs the span's offset to be a multiple of the element size (a bucket
-    # with an odd-length bf16 tensor before an fp32 one fails in SGLang's own code)
-    g = torch.Generator().manual_seed(0)
-    buckets.append([("x.int64", torch.arange(11, device=device)),
-                    ("x.bf16", torch.randn(7, 5, generator=g).to(device, torch.bfloat16)),
-                    ("x.fp16", torch.randn(3, generator=g).to(device, torch.float16))])
+    buckets.append(_mixed_bucket(device))  # and the dtypes a bf16 or quantised export carries, narrowest first
     assert len(buckets) > 2 and all(t.device.type == device for b in buckets for _, t in b)
     keep = []  # the sender holds each flattened bucket until the engines answered
     for i, bucket in enumerate(buckets):
@@ -70,7 +104,7 @@ def test_sglangs_process_group_helper_joins_the_weight_group_and_receives_bucket
     from slimecore.trainers.fsdp import FSDPBackend
 
     backend = FSDPBackend(Config.make(hf_checkpoint=str(tiny_checkpoint)), device=device)
-    buckets = list(backend.hf_weight_buckets(256 * 1024))
+    buckets = list(backend.hf_weight_buckets(256 * 1024)) + [_mixed_bucket(device)]
     bodies = [weight_sync.distributed_body(bucket, "wire-test", "1") for bucket in buckets]
     (tmp_path / "bodies.json").write_text(json.dumps(bodies))
     port = free_port()

@@ -5,7 +5,7 @@ Three ways new weights reach an engine, each an SGLang endpoint (bodies: :func:`
 SGLang's own request classes):
 
 - ``/update_weights_from_tensor``: a *flattened bucket* (one uint8 tensor holding the bucket's tensors
-  back to back, plus per-tensor metadata) pickled with torch's multiprocessing reductions and base64
+  back to back, widest dtype first (:func:`wire_order`), plus per-tensor metadata) pickled with torch's multiprocessing reductions and base64
   encoded, as SGLang's ``MultiprocessingSerializer`` does. A CUDA tensor travels as a CUDA IPC handle; a
   CPU tensor as a shared-memory file name (torch's ``file_system`` sharing strategy: the receiver is
   not a child of the sender, so the default fd-passing strategy cannot work). Same host only.
@@ -62,9 +62,25 @@ def unique_tensors(named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[
             yield name, tensor
 
 
+def wire_order(named: NamedTensors) -> NamedTensors:
+    """The bucket's tensors grouped by dtype, the widest element first (dtypes of one width in the order first
+    seen), as they go on the wire. SGLang's ``FlattenedTensorBucket`` packs tensors back to back and its
+    ``reconstruct_tensors`` views each byte span as its dtype, which torch allows only at an offset that is a
+    multiple of the element size: an odd-length bf16 tensor before an fp32 one fails inside SGLang's own
+    class. Element sizes being powers of two, every span starts aligned in this order with nothing between
+    them, so the layout is the one ``FlattenedTensorBucket(named_tensors=...)`` builds from the same list,
+    which SGLang's distributed receiver does from ``/update_weights_from_distributed``'s names."""
+    first: dict[torch.dtype, int] = {}
+    for _, tensor in named:
+        first.setdefault(tensor.dtype, len(first))
+    return sorted(named, key=lambda item: (-item[1].element_size(), first[item[1].dtype]))
+
+
 def flatten(named: NamedTensors, out: torch.Tensor | None = None) -> tuple[torch.Tensor, list[types.SimpleNamespace]]:
-    """One uint8 tensor (on the tensors' device) holding every tensor's bytes in order, and its metadata.
-    ``out``: a uint8 buffer to fill (its leading bytes; e.g. a reused shared-memory buffer)."""
+    """One uint8 tensor (on the tensors' device) holding every tensor's bytes back to back in
+    :func:`wire_order`, and its metadata (in that order). ``out``: a uint8 buffer to fill (its leading bytes;
+    e.g. a reused shared-memory buffer)."""
+    named = wire_order(named)
     device = named[0][1].device
     metadata, start = [], 0
     for name, tensor in named:
@@ -141,7 +157,8 @@ def unflatten(flat: torch.Tensor, metadata: Iterable) -> NamedTensors:
 
 
 def layout(names: list[str], dtypes: list[str], shapes: list[list[int]]) -> list[types.SimpleNamespace]:
-    """Metadata of a flattened bucket described by ``/update_weights_from_distributed``'s fields."""
+    """Metadata of a flattened bucket described by ``/update_weights_from_distributed``'s fields (back to back
+    in the order given, as SGLang's ``FlattenedTensorBucket`` lays them out)."""
     metadata, start = [], 0
     for name, dtype, shape in zip(names, dtypes, shapes):
         torch_dtype = dtype_from_name(dtype)
@@ -267,7 +284,9 @@ def init_group_body(master_address: str, master_port: int, rank_offset: int, wor
 
 
 def distributed_body(named: NamedTensors, group_name: str, weight_version: str) -> dict:
-    """``UpdateWeightsFromDistributedReqInput`` for one flattened bucket broadcast right after it."""
+    """``UpdateWeightsFromDistributedReqInput`` for one flattened bucket broadcast right after it (the tensors
+    in :func:`wire_order`, as :func:`flatten` packs them)."""
+    named = wire_order(named)
     return {"names": [n for n, _ in named], "dtypes": [dtype_name(t.dtype) for _, t in named],
             "shapes": [list(t.shape) for _, t in named], "group_name": group_name, "flush_cache": False,
             "weight_version": weight_version, "load_format": "flattened_bucket"}
