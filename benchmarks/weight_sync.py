@@ -45,7 +45,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from slimecore.engines import weight_sync
-    from slimecore.engines.embedded import launch_embedded_engines
+    from slimecore.engines.embedded_actors import launch_embedded_engines
     from slimecore.engines.router import http_json
     from slimecore.trainers.weight_sender import Endpoint, WeightSender
 
