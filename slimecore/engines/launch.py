@@ -5,6 +5,9 @@ once it serves; ``stop(actor)`` shuts it down; ``endpoint(url)`` is what train r
 weights to it. Starting engine i again after it died gives a fresh server on a new port: register the new
 URL with the router, and the next weight push reaches it (the sender makes a new weight-update group when
 the engine set changes). Each actor answers ``health(timeout)`` and ``shutdown()``.
+
+Ray is imported where the launcher uses it: train rank 0 imports :class:`Endpoint` from here
+(``slimecore.trainers.weight_sender``), and a trainer runs without Ray (a GPU machine with torch alone).
 """
 
 from __future__ import annotations
@@ -12,11 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-import ray
-
 from slimecore.config import Config, torch_threads
 from slimecore.engines.fleet import post_update_weights_from_disk
-from slimecore.raytools import ENGINE_GPU_SHARE, bundle_options, ray_get
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,10 @@ class EngineLauncher:
         self.log_dir = log_dir
 
     def _actor(self, index: int):
+        import ray
+
+        from slimecore.raytools import ENGINE_GPU_SHARE, bundle_options
+
         c = self.config
         options = bundle_options(self.placement_group, self.bundles[index], c.num_cpus_per_actor, ENGINE_GPU_SHARE)
         if c.rollout_engine == "sglang":
@@ -55,6 +59,10 @@ class EngineLauncher:
 
     def start(self, indices: list[int] | None = None) -> list[tuple[object, str]]:
         """Start engines ``indices`` (default: all) together; ``[(actor, url), ...]`` once every one serves."""
+        import ray
+
+        from slimecore.raytools import ray_get
+
         indices = list(range(self.count)) if indices is None else indices
         actors = [self._actor(i) for i in indices]
         wait = self.config.ray_timeout
@@ -72,6 +80,8 @@ class EngineLauncher:
 
     def stop(self, actor, timeout: float = 60) -> None:
         """Shut the server down (SGLang: its whole process group), then the actor."""
+        import ray
+
         try:
             ray.get(actor.shutdown.remote(), timeout=timeout)
         except (ray.exceptions.RayError, TimeoutError):
@@ -86,6 +96,8 @@ class EngineLauncher:
         if isinstance(weights, (str, Path)):
             post_update_weights_from_disk(url, str(weights), version, api_key=self.api_key)
         else:
+            import ray
+
             ray.get(actor.load_weights.remote(weights[0], version))
 
     def shutdown(self, actor) -> None:

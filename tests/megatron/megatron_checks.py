@@ -438,7 +438,8 @@ class _NoRay:
 
 
 def throughput_without_ray(rank: int, world: int, checkpoint: str) -> dict:
-    """``benchmarks/train_throughput.py`` on both backends in a process where ``import ray`` fails."""
+    """``benchmarks/train_throughput.py`` on both backends in a process where ``import ray`` fails, and train
+    rank 0's weight sender (its ``Endpoint`` comes from ``slimecore.engines.launch``) made and closed there."""
     import sys
 
     already = sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))
@@ -446,6 +447,11 @@ def throughput_without_ray(rank: int, world: int, checkpoint: str) -> dict:
     out = {"ray_before": already}
     for backend in ("fsdp", "megatron"):
         out[backend] = throughput_benchmark(rank, world, checkpoint, backend, [])
+    from slimecore.trainers.weight_sender import WeightSender
+
+    sender = WeightSender()
+    out["weight_sender"] = sender.bucket_bytes
+    sender.close()
     out["ray_after"] = sorted(m for m in sys.modules if m == "ray" or m.startswith("ray."))
     return out
 
