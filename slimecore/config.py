@@ -626,12 +626,12 @@ def parse_config(argv: list[str], plugin_names: list[str], declared: dict[str, l
     argv, sglang_args = _split_sglang_args(list(argv))
     parser = build_parser(plugin_options)
     namespace, unknown = parser.parse_known_args(argv)
-    from slimecore.megatron_args import split_megatron_args
+    from slimecore.megatron_args import flag_table, split_megatron_args
 
     unknown, megatron_args = split_megatron_args(unknown)
     if unknown:
         flag = next((u for u in unknown if u.startswith("-")), unknown[0])
-        flags = [o.flag for o in CORE_OPTIONS] + [o.flag for o, _ in plugin_options.values()]
+        flags = [o.flag for o in CORE_OPTIONS] + [o.flag for o, _ in plugin_options.values()] + list(flag_table())
         hint = difflib.get_close_matches(flag.split("=")[0], flags, n=1)
         raise ConfigError(f"unknown argument {flag!r}" + (f" (did you mean {hint[0]}?)" if hint else "")
                           + "; plugin flags need their plugin active (--plugin NAME); see `slime-core train --help`")

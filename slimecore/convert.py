@@ -5,8 +5,10 @@ broken checkpoint without a word (THUDM/slime#1059); here every mismatch is name
 ``hf-to-megatron`` (HF directory -> ``torch_dist``):
 1. ``config.json`` must name an architecture a bridge plugin answers for (``slime_model_bridge``);
 2. the Megatron shape the user expects, ``--model PRESET`` (``slime-core models``) and/or slime-style
-   ``MODEL_ARGS`` flags (``--num-layers 28 --hidden-size 3584 ...``), must equal the shape read from
-   ``config.json``, field by field;
+   ``MODEL_ARGS`` flags (``--num-layers 28 --hidden-size 3584 ...``, a ``scripts/models/*.sh`` file's array),
+   must equal the shape read from ``config.json``, field by field. ``MODEL_ARGS`` are read by ``slime-core
+   train``'s own Megatron parser (``slimecore.megatron_args``), so every flag a slime model file sets parses here
+   as it does there, and is compared with the bridge's values for ``config.json`` as there;
 3. the safetensors must hold every tensor the architecture defines, with the shapes ``config.json`` implies, and
    nothing else (a tied ``lm_head.weight`` may be absent);
 4. then the Megatron model is built (TP/PP/EP from the flags; world size from torchrun's environment, else 1), the
@@ -32,18 +34,23 @@ from slimecore.config import Config, ConfigError
 from slimecore.errors import ConvertError
 from slimecore.hf_checkpoint import read_safetensors_shapes, weights_mismatch
 
-# Megatron flags that appear in slime's MODEL_ARGS but say nothing a bridge's shape records (fixed by the
-# architecture, or about training): accepted and not compared. The value: 1 if the flag takes an argument.
-STRUCTURAL_FLAGS = {"--normalization": 1, "--swiglu": 0, "--position-embedding-type": 1, "--disable-bias-linear": 0,
-                    "--group-query-attention": 0, "--multi-latent-attention": 0, "--use-rotary-position-embeddings": 0,
-                    "--make-vocab-size-divisible-by": 1, "--seq-length": 1, "--max-position-embeddings": 1,
-                    "--use-rope-scaling": 0, "--moe-router-score-function": 1, "--moe-grouped-gemm": 0,
-                    "--moe-token-dispatcher-type": 1, "--moe-router-load-balancing-type": 1,
-                    "--moe-aux-loss-coeff": 1, "--moe-router-enable-expert-bias": 0,
-                    "--moe-router-topk-scaling-factor": 1,
-                    "--moe-router-dtype": 1, "--moe-router-pre-softmax": 0, "--moe-router-bias-update-rate": 1,
-                    "--attention-dropout": 1, "--hidden-dropout": 1, "--attention-backend": 1, "--no-rope-fusion": 0,
-                    "--rotary-seq-len-interpolation-factor": 1}
+# slime's converter (tools/convert_hf_to_torch_dist.py) adds these to Megatron's parser. --allgather-cp (in slime's
+# glm5 model files) says how context parallelism gathers keys and values in training: the checkpoint is the same
+# without it, as in slime's converter. The others have no meaning here: dest -> why, and what to do instead.
+CONVERTER_FLAGS = {"--allgather-cp": None,
+                   "--custom-model-provider-path": "the model is built by a bridge plugin (slime_model_bridge), not a "
+                   "model provider; give --plugin with a plugin that answers for this architecture",
+                   "--padded-vocab-size": "the vocabulary is config.json's vocab_size (no padded rows are added)"}
+# Switches that change which weights a Megatron model has, with Megatron's value when the flag is absent: slime's
+# converter builds the model from MODEL_ARGS, so a file that leaves one out converts into another model. Once the
+# MODEL_ARGS give any flag, an absent one counts as this value and is checked like a given one.
+WEIGHT_SWITCHES = {"add_qkv_bias": False, "qk_layernorm": False, "untie_embeddings_and_output_weights": False,
+                   "swiglu": False, "group_query_attention": False, "multi_latent_attention": False,
+                   "add_bias_linear": True, "moe_router_enable_expert_bias": False,
+                   "post_self_attn_layernorm": False, "post_mlp_layernorm": False}
+# The command's own options (cli/main.py), for the did-you-mean of an unknown argument
+OWN_OPTIONS = ("--hf-checkpoint", "--save", "--model", "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
+               "--expert-model-parallel-size", "--plugin")
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -61,75 +68,54 @@ def presets(hooks) -> dict[str, tuple[str, Any, str | None]]:
     return found
 
 
-def _freq(text: str, num_layers: int | None) -> tuple[int, ...]:
-    """``--moe-layer-freq`` as slime writes it: ``1`` (every layer), ``k`` (every k-th), ``[0,1,1]`` or
-    ``[0]*3+[1]*58``."""
-    text = text.strip().strip("'\"()")
-    if text.isdigit():
-        if num_layers is None:
-            raise ConvertError(f"--moe-layer-freq {text} needs --num-layers to expand")
-        return tuple(int(i % int(text) == 0) for i in range(num_layers))
-    out: list[int] = []
-    for term in text.split("+"):
-        match = re.fullmatch(r"\s*\[([\d,\s]+)\]\s*(?:\*\s*(\d+))?\s*", term)
-        if not match:
-            raise ConvertError(f"--moe-layer-freq {text!r}: expected k, [0,1,...] or [0]*k+[1]*n")
-        out += [int(v) for v in match[1].split(",") if v.strip()] * int(match[2] or 1)
-    return tuple(out)
-
-
-def parse_model_args(args: Iterable[str], shape: Any) -> dict[str, Any]:
-    """slime-style ``MODEL_ARGS`` -> {shape field: value}, typed like ``shape``'s fields. A switch that is
-    absent counts as False once any shape flag is given (as Megatron reads it). Unknown flags are errors."""
-    import dataclasses
+def parse_model_args(args: Iterable[str]) -> dict[str, Any]:
+    """slime-style ``MODEL_ARGS`` -> ``{Megatron dest: value}``, read by the parser ``slime-core train`` uses
+    (``slimecore.megatron_args``: every flag of Megatron-LM's parser and megatron-core's configs, no megatron-core
+    import). An unknown argument is an error naming the closest flag."""
+    from slimecore.megatron_args import flag_table, split_megatron_args
 
     args = list(args)
-    fields = {f.name: getattr(shape, f.name) for f in dataclasses.fields(shape)}
-    switches = {name for name, value in fields.items() if isinstance(value, bool)}
-    values: dict[str, Any] = {}
-    i = 0
-    while i < len(args):
-        flag, eq, inline = args[i].partition("=")
-        has_next = i + 1 < len(args) and not args[i + 1].startswith("--")
-        if flag in STRUCTURAL_FLAGS:
-            i += 1 + int(bool(STRUCTURAL_FLAGS[flag]) and not eq and has_next)
-            continue
-        name = flag.removeprefix("--").replace("-", "_")
-        if not flag.startswith("--") or name not in fields or name == "architecture":
-            known = sorted("--" + n.replace("_", "-") for n in fields if n != "architecture")
-            raise ConvertError(f"unknown model argument {args[i]!r}; shape flags: {' '.join(known)} (other "
-                               f"Megatron flags accepted and not compared: {' '.join(sorted(STRUCTURAL_FLAGS))})")
-        if name in switches:
-            values[name], i = True, i + 1
-        elif eq:
-            values[name], i = inline, i + 1
-        elif has_next:
-            values[name], i = args[i + 1], i + 2
-        else:
-            raise ConvertError(f"model argument {flag} needs a value")
-    typed: dict[str, Any] = {}
-    for name, value in sorted(values.items(), key=lambda kv: kv[0] != "num_layers"):  # num_layers first
-        try:
-            typed[name] = _typed(name, value, fields[name], typed.get("num_layers", fields.get("num_layers")))
-        except ConvertError:
-            raise
-        except ValueError:
-            raise ConvertError(f"model argument --{name.replace('_', '-')} {value!r} is not a valid value") from None
-    if typed:
-        for name in switches:
-            typed.setdefault(name, False)
-    return typed
+    for flag, why in CONVERTER_FLAGS.items():
+        if why and any(a.partition("=")[0] == flag for a in args):
+            raise ConvertError(f"{flag} is not taken: {why}")
+    args = [a for a in args if a.partition("=")[0] not in CONVERTER_FLAGS]
+    try:
+        rest, values = split_megatron_args(args)
+    except ConfigError as exc:
+        raise ConvertError(str(exc)) from None
+    if rest:
+        import difflib
+
+        unknown = next((a for a in rest if a.startswith("-")), rest[0])
+        hint = difflib.get_close_matches(unknown.partition("=")[0], [*flag_table(), *OWN_OPTIONS], n=1)
+        raise ConvertError(f"unknown model argument {unknown!r}" + (f" (did you mean {hint[0]}?)" if hint else "")
+                           + "; MODEL_ARGS take Megatron's flags (`slime-core models --show NAME` prints a preset's)")
+    return values
 
 
-def _typed(name: str, value, reference, num_layers: int | None):
-    """One MODEL_ARGS value typed like the shape's field (``ValueError`` if it is not)."""
-    if name == "moe_layer_freq":
-        return _freq(value, num_layers)
-    if isinstance(reference, bool):
-        return bool(value)
-    if isinstance(reference, float) or (reference is None and not re.fullmatch(r"-?\d+", value)):
-        return float(value)
-    return int(value)
+def model_args_differences(values: dict[str, Any], hf_config, shape: Any) -> list[str]:
+    """``--flag: MODEL_ARGS X, config.json Y`` for every parsed ``MODEL_ARGS`` value that the bridge's
+    ``megatron_values()`` (or config.json) states otherwise; an absent weight switch (``WEIGHT_SWITCHES``)
+    counts as Megatron's default once any flag is given. Settings that do not describe the model
+    (``--moe-token-dispatcher-type``, ``--attention-backend`` ...) are accepted and not compared: the model is
+    the bridge's."""
+    from slimecore.megatron_args import agrees, checkpoint_value, flag_for
+
+    stated = shape.megatron_values() if callable(getattr(shape, "megatron_values", None)) else {}
+    if values:
+        values = {**{dest: default for dest, default in WEIGHT_SWITCHES.items() if dest in stated}, **values}
+    out = []
+    for name, value in values.items():
+        found = checkpoint_value(name, stated, hf_config, shape)
+        if found is not None and not agrees(name, value, found[0]):
+            out.append(f"{flag_for(name)}: MODEL_ARGS {_shown(value)}, config.json {_shown(found[0])}")
+    return out
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, (list, tuple)) and len(value) > 8:
+        return f"[{', '.join(map(str, value[:8]))}, ... ({len(value)} values)]"
+    return repr(list(value) if isinstance(value, tuple) else value)
 
 
 def shape_mismatches(actual: Any, expected: dict[str, Any], source: str) -> list[str]:
@@ -237,6 +223,7 @@ def check_hf_to_megatron(hf_dir: str | Path, hooks, preset: str | None = None, m
                          tp: int = 1, pp: int = 1, ep: int = 1):
     """Every check of ``hf-to-megatron`` that needs no Megatron; returns (config, hf_config, shape)."""
     hf_dir = Path(hf_dir)
+    values = parse_model_args(model_args)  # first: a mistyped flag is named before any model code loads
     hf_config = _load_hf_config(hf_dir)
     config = _parallel_config(hf_dir, tp, pp, ep)
     shape = _bridge(hooks, config, hf_config, hf_dir)
@@ -250,9 +237,7 @@ def check_hf_to_megatron(hf_dir: str | Path, hooks, preset: str | None = None, m
 
         expected = dataclasses.asdict(known[preset][1])
         problems += shape_mismatches(shape, expected, f"preset {preset}")
-    model_args = list(model_args)
-    if model_args:
-        problems += shape_mismatches(shape, parse_model_args(model_args, shape), "MODEL_ARGS")
+    problems += model_args_differences(values, hf_config, shape)
     if problems:
         raise ConvertError(f"{hf_dir}/config.json does not have the Megatron shape you gave; nothing was converted. "
                            "Differences: " + "; ".join(problems))

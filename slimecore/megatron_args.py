@@ -235,31 +235,45 @@ def check_against_hf(config, hf_config, shape: Any = None) -> None:
     (``HF_CHECKED``). With fsdp, pass-through flags are refused."""
     stated = shape.megatron_values() if callable(getattr(shape, "megatron_values", None)) else {}
     for name, value in config.megatron_args.items():
-        field = known_fields()[name]
-        if name in stated:
-            expected = stated[name]
-            if expected is ...:  # megatron-core does not read it for this model (kv_channels under MLA)
-                continue
-            key = f"the {getattr(shape, 'architecture', type(shape).__name__)} bridge's {name} from config.json is"
-            if name == "moe_layer_freq" and isinstance(expected, (list, tuple)):
-                value, expected = layer_pattern(value, len(expected)), list(expected)
-        elif name in HF_CHECKED:
-            keys, transform = HF_CHECKED[name]
-            attr = next((k for k in keys if getattr(hf_config, k, None) is not None), None)
-            if attr is None:
-                continue
-            expected = transform(getattr(hf_config, attr)) if transform else getattr(hf_config, attr)
-            key = f"config.json's {attr} " + (f"({getattr(hf_config, attr)}) gives" if transform else "is")
-        else:
+        found = checkpoint_value(name, stated, hf_config, shape)
+        if found is None:
+            field = known_fields()[name]
             if field.target in TARGETS and name not in MODEL_FIELDS and config.train_backend != "megatron":
                 raise ConfigError(f"{flag_for(name, value)} is a Megatron argument: it applies with --train-backend "
                                   f"megatron (this run uses {config.train_backend})")
             continue
-        if not _same(value, expected):
+        expected, key = found
+        if not agrees(name, value, expected):
             shown = "" if isinstance(value, bool) else " " + _text(value)
             raise ConfigError(f"Megatron argument {flag_for(name, value)}{shown} disagrees with "
                               f"{config.hf_checkpoint}: {key} {_text(expected)}; the model is built from the "
                               "checkpoint, so drop the flag or fix it")
+
+
+def checkpoint_value(name: str, stated: dict[str, Any], hf_config, shape: Any = None) -> tuple[Any, str] | None:
+    """What the checkpoint says for the Megatron dest ``name``, and in whose words: ``stated`` (a bridge's
+    ``megatron_values()``) first, else ``config.json`` (``HF_CHECKED``); ``(..., why)`` when megatron-core does
+    not read it for this model (anything agrees); None when neither states it."""
+    if name in stated:
+        return stated[name], f"the {getattr(shape, 'architecture', type(shape).__name__)} bridge's {name} from " \
+                             "config.json is"
+    if name not in HF_CHECKED:
+        return None
+    keys, transform = HF_CHECKED[name]
+    attr = next((k for k in keys if getattr(hf_config, k, None) is not None), None)
+    if attr is None:
+        return None
+    expected = transform(getattr(hf_config, attr)) if transform else getattr(hf_config, attr)
+    return expected, f"config.json's {attr} " + (f"({getattr(hf_config, attr)}) gives" if transform else "is")
+
+
+def agrees(name: str, value: Any, expected: Any) -> bool:
+    """A parsed Megatron value against the checkpoint's (``...``: not read for this model, so any value)."""
+    if expected is ...:
+        return True
+    if name == "moe_layer_freq" and isinstance(expected, (list, tuple)):
+        value, expected = layer_pattern(value, len(expected)), list(expected)
+    return _same(value, expected)
 
 
 def _text(value) -> str:

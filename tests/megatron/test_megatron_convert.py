@@ -82,7 +82,45 @@ def test_a_preset_of_another_model_is_refused_field_by_field(tiny_checkpoint, tm
 def test_unknown_model_argument(tiny_checkpoint, tmp_path):
     out = _fails("hf-to-megatron", "--hf-checkpoint", str(tiny_checkpoint), "--save", str(tmp_path),
                  "--num-layerz", "2")
-    assert "unknown model argument '--num-layerz'" in out and "--num-layers" in out
+    assert out.count("error:") == 1 and "unknown model argument '--num-layerz' (did you mean --num-layers?)" in out
+    out = _fails("hf-to-megatron", "--hf-checkpoint", str(tiny_checkpoint), "--save", str(tmp_path),
+                 *TINY_MODEL_ARGS, "--kv-lora-rnk", "16")
+    assert "unknown model argument '--kv-lora-rnk' (did you mean --kv-lora-rank?)" in out
+    out = _fails("hf-to-megatron", "--hf-checkpoint", str(tiny_checkpoint), "--save", str(tmp_path),
+                 "--custom-model-provider-path", "my.provider")
+    assert "--custom-model-provider-path is not taken: the model is built by a bridge plugin" in out
+    assert not any(tmp_path.iterdir())
+
+
+SLIME_MODELS = Path(__file__).resolve().parents[1] / "slime_format" / "scripts" / "models"
+
+
+def test_a_slime_model_files_args_as_slimes_converter_takes_them(tmp_path):
+    """`source scripts/models/deepseek-v3.sh; convert ${MODEL_ARGS[@]} --hf-checkpoint ... --save ...`: the
+    multi-latent-attention, MoE-routing and YaRN flags parse (the parser `train` uses) and agree with config.json,
+    so the command goes on to the weights, which this directory (config.json alone) does not have. A disagreeing
+    value, or a weight switch the file leaves out, is named with both values."""
+    from transformers import DeepseekV3Config
+
+    from slimecore.megatron_args import source_model_args
+
+    DeepseekV3Config(
+        num_hidden_layers=4, hidden_size=7168, intermediate_size=18432, num_attention_heads=128,
+        num_key_value_heads=128, vocab_size=129280, rms_norm_eps=1e-6, n_routed_experts=256, n_shared_experts=1,
+        num_experts_per_tok=8, moe_intermediate_size=2048, first_k_dense_replace=3, q_lora_rank=1536,
+        kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=8, topk_group=4,
+        routed_scaling_factor=2.5, tie_word_embeddings=False, architectures=["DeepseekV3ForCausalLM"],
+        rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+                         "mscale": 1.0, "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096},
+    ).save_pretrained(tmp_path / "hf")
+    args = source_model_args(SLIME_MODELS / "deepseek-v3.sh", {"MODEL_ARGS_NUM_LAYERS": "4"})
+    assert {"--multi-latent-attention", "--q-lora-rank", "--kv-lora-rank", "--qk-pos-emb-head-dim"} <= set(args)
+    paths = ["--hf-checkpoint", str(tmp_path / "hf"), "--save", str(tmp_path / "out")]
+    assert "holds no *.safetensors" in _fails("hf-to-megatron", *args, *paths)  # slime's order: MODEL_ARGS first
+    out = _fails("hf-to-megatron", *paths, *[a if a != "512" else "256" for a in args if a != "--qk-layernorm"])
+    assert "--kv-lora-rank: MODEL_ARGS 256, config.json 512" in out and "--qk-layernorm: MODEL_ARGS False, " \
+        "config.json True" in out and "nothing was converted" in out
+    assert not (tmp_path / "out").exists()
 
 
 def test_weights_that_do_not_match_config_json(tiny_checkpoint, tmp_path):

@@ -10,6 +10,7 @@ from transformers import (AutoConfig, DeepseekV3Config, Glm4Config, Glm4MoeConfi
 from slime_models.plugin import PRESETS, bridge_for
 from slime_models.plugin import SLIME_MODEL_FILES as SLIME_FILE_OF
 from slimecore.config import Config, ConfigError, parse_config
+from slimecore.convert import model_args_differences, parse_model_args
 from slimecore.megatron_args import check_against_hf, source_model_args
 from slimecore.plugins import installed_entry_points, load_plugins
 
@@ -228,6 +229,8 @@ def test_slime_model_file_agrees_with_its_checkpoint(name, tmp_path):
         {"first_k_dense_replace": first_dense} if first_dense else {}))
     args = source_model_args(SLIME_MODEL_FILES / f"{name}.sh", env)
     _check(path, "megatron", args)
+    hf = AutoConfig.from_pretrained(path)  # and as `slime-core convert hf-to-megatron` reads them, with the
+    assert model_args_differences(parse_model_args(args), hf, bridge_for(hf)) == []  # switches it leaves out
     values = PRESETS[preset].megatron_values()
     if name in ("qwen2.5-0.5B", "qwen3-4B", "llama3.1-8B-Instruct"):  # they describe the model only: fsdp too
         _check(path, "fsdp", args)
