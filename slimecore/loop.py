@@ -32,7 +32,7 @@ from slimecore.raytools import create_placement, init_ray, ray_get
 from slimecore.rollout.manager import RolloutManager
 from slimecore.startup import driver, prepare
 from slimecore.tracking import Tracker
-from slimecore.trainers.actor import RoleGroups
+from slimecore.trainers.ray_actors import RoleGroups
 from slimecore.trainers.roles import TrainRole
 from slimecore.weight_updates import REPUSH, WeightRepush
 

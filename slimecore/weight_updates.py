@@ -20,7 +20,7 @@ each call to all ranks under one lock, so every rank sees this push and the driv
 Sent from the rollout manager instead, a rank could get the push before a step and another rank after it,
 and both would wait in different collectives until ``--train-timeout``. The trainers label the weights
 with the version they are (they may have trained a step since the last push), and a rank that hangs fails
-the run with :class:`~slimecore.trainers.actor.TrainTimeout`, naming the rank and this stage.
+the run with :class:`~slimecore.trainers.ray_actors.TrainTimeout`, naming the rank and this stage.
 """
 
 from __future__ import annotations

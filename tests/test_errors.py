@@ -90,7 +90,7 @@ def test_a_killed_train_rank_is_named_with_its_stage(ray_session):
     import types
 
     from slimecore.config import Config
-    from slimecore.trainers.actor import RankDiedError, TrainGroup
+    from slimecore.trainers.ray_actors import RankDiedError, TrainGroup
 
     ray = ray_session
 

@@ -312,7 +312,7 @@ def test_lora_export_is_the_merged_model_and_keeps_the_adapter(tiny_checkpoint, 
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    from slimecore.trainers.actor import TrainActor
+    from slimecore.trainers.ray_actors import TrainActor
 
     config = Config.make(hf_checkpoint=str(tiny_checkpoint), use_lora=True, lora_rank=4, lora_alpha=8,
                          cpu_threads_per_actor=1)

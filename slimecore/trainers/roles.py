@@ -21,7 +21,7 @@ shares its bundles (``slimecore.raytools.create_placement``).
 
 The declarations (``TrainRole``, ``Feed``) are part of the contract, in ``slimecore.types`` (importable from here
 too); this module checks and orders them, and training ranks read their own role here;
-``slimecore.trainers.actor.RoleGroups`` starts and trains the roles from the driver.
+``slimecore.trainers.ray_actors.RoleGroups`` starts and trains the roles from the driver.
 """
 
 from __future__ import annotations
