@@ -2,7 +2,7 @@
 ``--help-all``: every option, Megatron's and SGLang's pass-through flags included.
 
 Written from the option tables (``slimecore.config.CORE_OPTIONS``, the active plugins' ``slime_options``,
-``slimecore.megatron_flags``, SGLang's ``ServerArgs`` read from its source), not from argparse, so that a
+``slimecore.trainers.megatron_flags``, SGLang's ``ServerArgs`` read from its source), not from argparse, so that a
 default shows as its value and a placeholder says what to type (``--eps-clip FLOAT``, ``--save DIR``).
 """
 
@@ -152,7 +152,7 @@ def _default_task() -> str:
 def passthrough(width: int) -> list[str]:
     """The Megatron flags slime-core passes to megatron-core (``--train-backend megatron``) and SGLang's
     ``ServerArgs`` fields (``--sglang-<field>``, ``--rollout-engine sglang``)."""
-    from slimecore.megatron_args import known_fields
+    from slimecore.trainers.megatron_args import known_fields
     from slimecore.sglang_schema import OWNED, server_args_fields
 
     core = {o.flag for o in CORE_OPTIONS}

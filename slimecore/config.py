@@ -305,7 +305,7 @@ class Config:
     def __init__(self, values: dict, plugin_values: dict[str, dict] | None = None, plugins: Iterable[str] = (),
                  sglang_args: dict | None = None, megatron_args: dict | None = None):
         self.__dict__["_values"] = dict(values)
-        self.__dict__["megatron_args"] = dict(megatron_args or {})  # slimecore.megatron_args: passed through
+        self.__dict__["megatron_args"] = dict(megatron_args or {})  # trainers/megatron_args.py: passed through
         self.__dict__["_plugin_values"] = {k: dict(v) for k, v in (plugin_values or {}).items()}
         self.__dict__["plugins"] = list(plugins)
         self.__dict__["sglang_args"] = dict(sglang_args or {})
@@ -577,7 +577,7 @@ MEGATRON_PREFIX = "megatron."
 
 
 def _is_megatron_arg(name: str) -> bool:
-    from slimecore.megatron_args import known_fields
+    from slimecore.trainers.megatron_args import known_fields
 
     try:
         return name in known_fields()
@@ -587,7 +587,7 @@ def _is_megatron_arg(name: str) -> bool:
 
 def _megatron_from_yaml(path: str, file_values: dict) -> dict:
     """Megatron arguments of a ``--config`` file, checked as their flags are (``--name value``)."""
-    from slimecore.megatron_args import split_megatron_args
+    from slimecore.trainers.megatron_args import split_megatron_args
 
     argv = []
     for key in [k for k in file_values if k.startswith(MEGATRON_PREFIX)]:
@@ -626,7 +626,7 @@ def parse_config(argv: list[str], plugin_names: list[str], declared: dict[str, l
     argv, sglang_args = _split_sglang_args(list(argv))
     parser = build_parser(plugin_options)
     namespace, unknown = parser.parse_known_args(argv)
-    from slimecore.megatron_args import flag_table, split_megatron_args
+    from slimecore.trainers.megatron_args import flag_table, split_megatron_args
 
     unknown, megatron_args = split_megatron_args(unknown)
     if unknown:
@@ -665,10 +665,11 @@ def parse_config(argv: list[str], plugin_names: list[str], declared: dict[str, l
 
 def megatron_only(megatron_args: dict) -> bool:
     """Any of ``megatron_args`` configures Megatron's training itself (``--optimizer``, ``--attention-dropout``
-    ...), not only the model's shape, which fsdp checks against config.json too (``slimecore.megatron_args``)."""
+    ...), not only the model's shape, which fsdp checks against config.json too
+    (``slimecore.trainers.megatron_args``)."""
     if not megatron_args:
         return False
-    from slimecore.megatron_args import MODEL_FIELDS, TARGETS, known_fields
+    from slimecore.trainers.megatron_args import MODEL_FIELDS, TARGETS, known_fields
 
     return any(known_fields()[name].target in TARGETS and name not in MODEL_FIELDS for name in megatron_args)
 

@@ -7,8 +7,8 @@ broken checkpoint without a word (THUDM/slime#1059); here every mismatch is name
 2. the Megatron shape the user expects, ``--model PRESET`` (``slime-core models``) and/or slime-style
    ``MODEL_ARGS`` flags (``--num-layers 28 --hidden-size 3584 ...``, a ``scripts/models/*.sh`` file's array),
    must equal the shape read from ``config.json``, field by field. ``MODEL_ARGS`` are read by ``slime-core
-   train``'s own Megatron parser (``slimecore.megatron_args``), so every flag a slime model file sets parses here
-   as it does there, and is compared with the bridge's values for ``config.json`` as there;
+   train``'s own Megatron parser (``slimecore.trainers.megatron_args``), so every flag a slime model file sets
+   parses here as it does there, and is compared with the bridge's values for ``config.json`` as there;
 3. the safetensors must hold every tensor the architecture defines, with the shapes ``config.json`` implies, and
    nothing else (a tied ``lm_head.weight`` may be absent);
 4. then the Megatron model is built (TP/PP/EP from the flags; world size from torchrun's environment, else 1), the
@@ -70,9 +70,9 @@ def presets(hooks) -> dict[str, tuple[str, Any, str | None]]:
 
 def parse_model_args(args: Iterable[str]) -> dict[str, Any]:
     """slime-style ``MODEL_ARGS`` -> ``{Megatron dest: value}``, read by the parser ``slime-core train`` uses
-    (``slimecore.megatron_args``: every flag of Megatron-LM's parser and megatron-core's configs, no megatron-core
-    import). An unknown argument is an error naming the closest flag."""
-    from slimecore.megatron_args import flag_table, split_megatron_args
+    (``slimecore.trainers.megatron_args``: every flag of Megatron-LM's parser and megatron-core's configs, no
+    megatron-core import). An unknown argument is an error naming the closest flag."""
+    from slimecore.trainers.megatron_args import flag_table, split_megatron_args
 
     args = list(args)
     for flag, why in CONVERTER_FLAGS.items():
@@ -99,7 +99,7 @@ def model_args_differences(values: dict[str, Any], hf_config, shape: Any) -> lis
     counts as Megatron's default once any flag is given. Settings that do not describe the model
     (``--moe-token-dispatcher-type``, ``--attention-backend`` ...) are accepted and not compared: the model is
     the bridge's."""
-    from slimecore.megatron_args import agrees, checkpoint_value, flag_for
+    from slimecore.trainers.megatron_args import agrees, checkpoint_value, flag_for
 
     stated = shape.megatron_values() if callable(getattr(shape, "megatron_values", None)) else {}
     if values:

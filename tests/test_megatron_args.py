@@ -2,7 +2,7 @@
 MLATransformerConfig / OptimizerConfig / DistributedDataParallelConfig is a flag, accepted and passed through,
 checked against the checkpoint where config.json says the same thing, or refused by name; each of slime's model files
 (tests/slime_format/scripts/models, THUDM/slime at the commit in COMMIT there) parses. The flag table is generated
-(slimecore.megatron_flags); a test regenerates it from the installed megatron-core and compares."""
+(slimecore.trainers.megatron_flags); a test regenerates it from the installed megatron-core and compares."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is in the test extra"
 from transformers import AutoConfig  # noqa: E402
 
 from slimecore.config import Config, ConfigError, parse_config  # noqa: E402
-from slimecore.megatron_args import (check_against_hf, generate_flag_table, known_fields,  # noqa: E402
+from slimecore.trainers.megatron_args import (check_against_hf, generate_flag_table, known_fields,  # noqa: E402
                                      megatron_overrides, source_model_args)
 
 HERE = Path(__file__).resolve().parent
@@ -116,9 +116,9 @@ def test_cli_names_a_disagreeing_model_flag_before_ray(tiny_checkpoint):
 
 
 def test_the_flag_table_is_what_the_installed_megatron_core_and_megatron_lm_parser_define():
-    """slimecore/megatron_flags.py is generated; a megatron-core or Megatron-LM change shows up here. Regenerate with
-    `python -m slimecore.megatron_args tests/megatron_lm/arguments-core_v0.16.1.py.txt`."""
-    from slimecore.megatron_flags import FLAGS, MEGATRON_CORE
+    """slimecore/trainers/megatron_flags.py is generated; a megatron-core or Megatron-LM change shows up here.
+    Regenerate with `python -m slimecore.trainers.megatron_args tests/megatron_lm/arguments-core_v0.16.1.py.txt`."""
+    from slimecore.trainers.megatron_flags import FLAGS, MEGATRON_CORE
 
     installed = importlib.metadata.version("megatron-core")
     if installed != MEGATRON_CORE:

@@ -148,7 +148,7 @@ def check_startup(config, hooks) -> None:
     if config.megatron_args:
         from transformers import AutoConfig
 
-        from slimecore.megatron_args import check_against_hf
+        from slimecore.trainers.megatron_args import check_against_hf
 
         check_against_hf(config, AutoConfig.from_pretrained(config.hf_checkpoint), shape)
 

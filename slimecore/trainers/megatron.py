@@ -57,7 +57,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from slimecore.megatron_args import megatron_overrides
+from slimecore.trainers.megatron_args import megatron_overrides
 from slimecore.ops.linear_logprobs import CHUNK_TOKENS, linear_log_probs_and_entropy
 from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
                                         save_rng, training_device)

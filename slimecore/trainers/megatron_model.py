@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from slimecore.checkpoint import atomic_write_text
 from slimecore.config import ConfigError
-from slimecore.megatron_args import megatron_overrides
+from slimecore.trainers.megatron_args import megatron_overrides
 
 CHECKPOINT_META = "megatron_checkpoint.json"
 

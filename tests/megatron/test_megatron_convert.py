@@ -102,7 +102,7 @@ def test_a_slime_model_files_args_as_slimes_converter_takes_them(tmp_path):
     value, or a weight switch the file leaves out, is named with both values."""
     from transformers import DeepseekV3Config
 
-    from slimecore.megatron_args import source_model_args
+    from slimecore.trainers.megatron_args import source_model_args
 
     DeepseekV3Config(
         num_hidden_layers=4, hidden_size=7168, intermediate_size=18432, num_attention_heads=128,

@@ -11,7 +11,7 @@ from slime_models.plugin import PRESETS, bridge_for
 from slime_models.plugin import SLIME_MODEL_FILES as SLIME_FILE_OF
 from slimecore.config import Config, ConfigError, parse_config
 from slimecore.convert import model_args_differences, parse_model_args
-from slimecore.megatron_args import check_against_hf, source_model_args
+from slimecore.trainers.megatron_args import check_against_hf, source_model_args
 from slimecore.plugins import installed_entry_points, load_plugins
 
 
