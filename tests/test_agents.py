@@ -266,6 +266,39 @@ def test_each_api_answers_errors_in_its_own_shape(agent_sessions, api):
     agent_sessions.finish(session)
 
 
+def test_the_context_window_is_checked_as_sglang_does(agent_sessions, tiny_engine):
+    """The tiny model's context is 512 tokens (the engine's /v1/models says so, as SGLang's does). A max_tokens
+    that does not fit beside the prompt is SGLang's 400 on both APIs; without max_tokens the turn generates up to
+    the context (past the session's larger cap) and reports length."""
+    import re
+    import urllib.request
+
+    card = json.loads(urllib.request.urlopen(tiny_engine.url + "/v1/models", timeout=30).read())["data"][0]
+    assert card["max_model_len"] == 512 and card["owned_by"] == "sglang"
+    session = agent_sessions.open(max_new_tokens=4096, ignore_eos=True, temperature=0.0)
+    long = [{"role": "user", "content": " ".join(["seven"] * 120)}]
+    said = re.compile(r"Requested token count exceeds the model's maximum context length of 512 tokens\. You requested "
+                      r"a total of (\d+) tokens: (\d+) tokens from the input messages and 100 tokens for the "
+                      r"completion\. Please reduce the number of tokens in the input messages or the completion to "
+                      r"fit within the limit\.")
+    client = openai.OpenAI(base_url=session.base_url, api_key=session.api_key, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model=session.model, messages=long, max_tokens=100)
+    found = said.fullmatch(caught.value.body["message"])
+    assert caught.value.status_code == 400 and found and int(found[1]) == int(found[2]) + 100 > 512
+    assert caught.value.body["code"] == "context_length_exceeded"
+    with pytest.raises(anthropic.BadRequestError) as caught:
+        anthropic.Anthropic(base_url=session.anthropic_base_url, api_key=session.api_key, max_retries=0
+                            ).messages.create(model=session.model, messages=long, max_tokens=100)
+    assert caught.value.status_code == 400 and caught.value.body["error"]["type"] == "invalid_request_error"
+    assert said.fullmatch(caught.value.body["error"]["message"])
+    answer = client.chat.completions.create(model=session.model, messages=long)  # no max_tokens
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 512
+    assert len(session.state.trajectory.turns) == 1  # the refused requests generated nothing
+    agent_sessions.finish(session)
+
+
 def test_a_request_without_model_is_refused_by_both_apis(agent_sessions):
     import urllib.error
     import urllib.request
@@ -454,12 +487,14 @@ def test_the_routers_manual_policy_keeps_a_session_on_one_engine(engines):
 
     async def go():
         try:
-            return {key: [await served_by(key) for _ in range(3)] for key in ("s1", "s2", "s3", "s4", "s5")}
+            context = await client.max_model_len()  # the router answers /v1/models without it: asked of a worker
+            return context, {key: [await served_by(key) for _ in range(3)] for key in ("s1", "s2", "s3", "s4", "s5")}
         finally:
             await client.close()
 
     try:
-        engines_by_key = asyncio.run(go())
+        context, engines_by_key = asyncio.run(go())
     finally:
         router.stop()
+    assert context == servers[0].context_len
     assert all(len(set(used)) == 1 for used in engines_by_key.values()), engines_by_key

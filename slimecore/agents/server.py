@@ -22,6 +22,11 @@ Sampling: a session has defaults (the run's sampling params) and pinned keys. In
 temperature, top-p and top-k are pinned, because the trainer's log-probs assume the run's values; a
 client's other value for them is ignored and counted (``SessionState.ignored_sampling``). ``max_tokens``
 is capped by the run's ``--rollout-max-response-len``; stop strings add to the run's.
+
+Context: checked as SGLang's tokenizer manager checks it, against the context length the engine states
+(``GET /v1/models``: ``max_model_len``). A prompt that fills the context, or a client's ``max_tokens`` that
+does not fit beside the prompt, is 400 with SGLang's message (``code: context_length_exceeded``); a request
+without ``max_tokens`` generates up to the context and then stops with ``finish_reason`` ``length``.
 """
 
 from __future__ import annotations
@@ -94,6 +99,8 @@ class SessionServer:
         self._sessions: dict[str, SessionState] = {}
         self._lock = threading.Lock()
         self._handle: ThreadedApp | None = None
+        self._context: int | None = None
+        self._context_asked = False
 
     # -- lifecycle ---------------------------------------------------------------------------
     @property
@@ -163,6 +170,9 @@ class SessionServer:
         prompt = state.trajectory.prompt(req.messages, req.tools)
         params = state.params(req)
         try:
+            if not self._context_asked:
+                self._context, self._context_asked = await self.client.max_model_len(), True
+            fit_context(len(prompt.ids), req.max_tokens, params, self._context)
             outs = await asyncio.gather(*(self.client.generate(input_ids=prompt.ids, sampling_params=params,
                                                                return_logprob=True, routing_key=state.id)
                                           for _ in range(req.n)))
@@ -239,6 +249,28 @@ class SessionServer:
             return response
 
         return handle
+
+
+def fit_context(prompt_len: int, max_tokens: int | None, params: dict, context: int | None) -> None:
+    """SGLang's context checks for one turn, with its messages (its tokenizer manager's
+    ``_validate_one_request``): a prompt of ``context`` tokens or more, or a client's ``max_tokens`` that does not
+    fit beside the prompt, raises a 400. Without ``max_tokens`` the engine's ``max_new_tokens`` (the session's
+    cap) is lowered to what fits, so the turn generates up to the context and ends with ``length``, as SGLang's
+    scheduler clamps it. ``context`` None: the engine's own checks apply."""
+    if not context:
+        return
+    if prompt_len >= context:
+        raise APIError("invalid_request", f"The input ({prompt_len} tokens) is longer than the model's context "
+                                          f"length ({context} tokens).", code="context_length_exceeded")
+    if max_tokens is not None and prompt_len + max_tokens > context:
+        raise APIError("invalid_request", (
+            f"Requested token count exceeds the model's maximum context length of {context} tokens. You requested "
+            f"a total of {prompt_len + max_tokens} tokens: {prompt_len} tokens from the input messages and "
+            f"{max_tokens} tokens for the completion. Please reduce the number of tokens in the input messages or "
+            "the completion to fit within the limit."), code="context_length_exceeded")
+    cap = params.get("max_new_tokens")
+    if max_tokens is None and cap is not None and prompt_len + cap > context:
+        params["max_new_tokens"] = context - prompt_len
 
 
 @dataclass

@@ -67,6 +67,13 @@ def build_app(server) -> web.Application:
     async def server_info(_):
         return web.json_response(server.server_info())
 
+    @routes.get("/v1/models")
+    async def models(_):  # SGLang's ModelList: max_model_len is the context length its tokenizer checks against
+        name = server.model_path_for_info
+        return web.json_response({"object": "list", "data": [
+            {"id": name, "object": "model", "created": int(time.time()), "owned_by": "sglang", "root": name,
+             "parent": None, "max_model_len": server.context_len}]})
+
     @routes.get("/get_weight_version")
     @routes.get("/weight_version")
     async def weight_version(_):

@@ -212,6 +212,32 @@ class RolloutClient:
         headers = {"X-SMG-Routing-Key": routing_key} if routing_key else None
         return await self._request("POST", self.url + "/generate", body, headers=headers)
 
+    async def max_model_len(self) -> int | None:
+        """The engines' context length as SGLang states it (``GET /v1/models``: ``data[0].max_model_len``), asked
+        of the URL itself (an engine), else of the first worker the router lists (the router answers
+        ``/v1/models`` itself, without it); None when no engine states one."""
+        async def stated(url: str) -> int | None:
+            try:
+                data = await self._request("GET", url + "/v1/models", retries=1)
+            except EngineUnreachable:
+                raise
+            except EngineError:
+                return None  # a 4xx: no such endpoint there
+            cards = data.get("data") if isinstance(data, dict) else None
+            length = cards[0].get("max_model_len") if cards and isinstance(cards[0], dict) else None
+            return length if isinstance(length, int) and length > 0 else None
+
+        length = await stated(self.url)
+        if length is None:
+            try:
+                workers = await self.worker_urls()
+            except EngineUnreachable:
+                raise
+            except EngineError:
+                workers = []  # not a router
+            length = await stated(workers[0].rstrip("/")) if workers else None
+        return length
+
     async def worker_urls(self) -> list[str]:
         """The engines registered with the router (``GET /workers``)."""
         data = await self._request("GET", self.url + "/workers")
