@@ -321,6 +321,8 @@ def test_a_remote_reward_server_answering_errors_fails_the_run(mode, tiny_checkp
     for text in ["4 of 4 samples failed to be scored", f"remote_rm: POST {server.url}", *expected]:
         assert text in last, (text, last)
     assert server.requests == 4 * attempts  # 2 prompts x 2 samples, each tried `attempts` times
+    early = f"remote_rm: POST {server.url} -> HTTP 500: 'internal error: the judge model is down'; retrying 2 more"
+    assert proc.stderr.count(early) == (attempts > 1), proc.stderr[-4000:]  # said once, at the first failed attempt
     assert "Traceback" not in proc.stderr  # each failure is the service's answer, said once, not our stack
     metrics = tmp_path / "log" / "metrics.jsonl"
     assert not (metrics.is_file() and metrics.read_text().strip())  # no step was trained

@@ -322,12 +322,18 @@ def test_remote_rm_times_out_each_request():
     assert "failed after 2 attempt(s)" in str(error) and "no answer within --rm-timeout 0.3s" in str(error)
 
 
-def test_remote_rm_final_failure_names_url_status_and_attempts():
-    error, requests, _ = _remote([(503, "down for maintenance", 0)], _sample(), rm_max_retries=3)
+def test_remote_rm_final_failure_names_url_status_and_attempts(caplog):
+    error, requests, _ = _remote([(503, "down for maintenance\n<html>" + "x" * 500, 0)], _sample(), rm_max_retries=3)
     assert len(requests) == 3
     message = str(error)
     assert "remote_rm: POST http://127.0.0.1:" in message and "/score failed after 3 attempt(s)" in message
     assert "HTTP 503: down for maintenance" in message
+    url = message.split("POST ")[1].split(" failed")[0]
+    said = [r.getMessage() for r in caplog.records if r.name == "slimecore.rewards"]
+    assert len(said) == 1 and "\n" not in said[0]  # one line, at the first failed attempt, not one per retry
+    assert said[0].startswith(f"remote_rm: POST {url} -> HTTP 503: 'down for maintenance <html>xxx")
+    assert "x" * 121 not in said[0]  # the answer's first bytes only
+    assert "retrying 2 more time(s) with backoff (about 0 s: --rm-max-retries 3, --rm-retry-delay 0.01)" in said[0]
 
 
 def test_remote_rm_does_not_retry_what_retrying_cannot_fix():

@@ -7,7 +7,9 @@ answers with a JSON number (the reward) or a JSON object (a dict reward; pick th
 and 429 are retried up to ``--rm-max-retries`` attempts in all, waiting ``min(d * 2**k, 30) + d * U(0,1)``
 seconds after failed attempt ``k`` (``d = --rm-retry-delay``; with ``d = 1`` that is slime's backoff);
 after the last attempt :class:`RemoteRewardError` names the URL, the attempts and the last error, and
-the rollout marks the sample FAILED and counts it (``rollout/reward_failures``).
+the rollout marks the sample FAILED and counts it (``rollout/reward_failures``). The first failed attempt
+to a URL is said at once in one warning line (the URL, the answer's status and first bytes, how many
+retries follow and about how long they take: ~2.5 min with the defaults), so the backoff is never silent.
 
 Departures from slime: another 4xx, a body that is not JSON, or JSON that is neither a number nor an
 object fails at once (retrying cannot fix it) instead of being retried; the timeout is per request
@@ -19,12 +21,15 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import random
 
 import aiohttp
 
 BACKOFF_CAP = 30.0
+log = logging.getLogger("slimecore.rewards")
 _sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
+_warned: set[str] = set()  # URLs whose first failed attempt this process has said
 
 
 class RemoteRewardError(RuntimeError):
@@ -68,15 +73,31 @@ def _reward(url: str, text: str):
     return reward
 
 
+def _backoff(attempt: int, retry_delay: float) -> float:
+    return min(retry_delay * 2 ** attempt, BACKOFF_CAP)
+
+
+def _warn_first_failure(url: str, status: int | None, what: str, attempts: int, retry_delay: float) -> None:
+    """One line, once per URL: the first failed attempt and the retries that follow (before they start)."""
+    if url in _warned:
+        return
+    _warned.add(url)
+    wait = sum(_backoff(k, retry_delay) + retry_delay / 2 for k in range(attempts - 1))
+    answer = f"HTTP {status}: {' '.join(what[:400].split())[:120]!r}" if status is not None else what
+    log.warning("remote_rm: POST %s -> %s; retrying %d more time(s) with backoff (about %.0f s: --rm-max-retries %d, "
+                "--rm-retry-delay %g) before the sample fails", url, answer, attempts - 1, wait, attempts, retry_delay)
+
+
 async def remote_reward(url: str, prompt, response: str, label, *, timeout: float, attempts: int,
                         retry_delay: float):
     """POST one sample to ``url`` and return its reward (a number or a dict); see the module docstring."""
     payload = {"prompt": prompt, "response": response, "label": label}
     last = ""
     for attempt in range(attempts):
+        status, text = None, ""
         try:
             async with _session().post(url, json=payload, timeout=aiohttp.ClientTimeout(total=timeout)) as answer:
-                text = await answer.text()
+                status, text = answer.status, await answer.text()
                 if answer.status < 300:
                     return _reward(url, text)
                 last = f"HTTP {answer.status}: {text[:300]}"
@@ -87,6 +108,8 @@ async def remote_reward(url: str, prompt, response: str, label, *, timeout: floa
             last = f"no answer within --rm-timeout {timeout:g}s" if isinstance(exc, asyncio.TimeoutError) else \
                 f"{type(exc).__name__}: {exc}"
         if attempt + 1 < attempts:
-            await asyncio.sleep(min(retry_delay * 2 ** attempt, BACKOFF_CAP) + retry_delay * random.random())
+            if attempt == 0:
+                _warn_first_failure(url, status, text if status is not None else last, attempts, retry_delay)
+            await asyncio.sleep(_backoff(attempt, retry_delay) + retry_delay * random.random())
     raise RemoteRewardError(f"remote_rm: POST {url} failed after {attempts} attempt(s) (--rm-max-retries); "
                             f"last error: {last}")
