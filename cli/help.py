@@ -94,33 +94,40 @@ def _lines(flag: str, text: str, width: int) -> list[str]:
     return [f"  {flag:<{indent - 2}}{body[0]}"] + [" " * indent + line for line in body[1:]]
 
 
-def train_help(hooks, declared: dict[str, list[Option]], every: bool = False, width: int | None = None) -> str:
-    """The text of ``slime-core train --help`` (``every``: ``--help-all``) for the active plugins ``hooks``."""
+def _option_rows(hooks, declared: dict[str, list[Option]], every: bool):
+    """What ``--help`` (``every``: ``--help-all``) lists: by section, each option with its text and the plugins
+    declaring it; how many options each section hides; the quick start's and the plugins' values."""
     from slimecore.config import collect_plugin_options
     from slimecore.data.tasks import TASKS
 
-    width = width or min(120, max(60, shutil.get_terminal_size((100, 24)).columns))
     quickstart = {name: (value, "quick start") for name, value in TASKS[_default_task()].recommended.items()}
     for plugin, values in hooks.slime_quickstart_options().items():
         quickstart.update({name: (value, f"plugin {plugin!r}") for name, value in values.items()})
     implied = {name: (value, plugin) for plugin, values in hooks.slime_implied_options().items()
                for name, value in values.items()}
-    rows: dict[str, list[tuple[Option, str]]] = {name: [] for name in SECTIONS}
+    rows: dict[str, list[tuple[Option, str, list[str]]]] = {name: [] for name in SECTIONS}
     hidden = dict.fromkeys(SECTIONS, 0)
     for option in CORE_OPTIONS:
         where = section(option)
         if every or option.name in SHORT:
-            rows[where].append((option, option.help))
+            rows[where].append((option, option.help, []))
         else:
             hidden[where] += 1
     for name, (option, owners) in collect_plugin_options(declared).items():
         if all(owner in DEFAULT_PLUGINS for owner in owners):  # the built-in defaults' (slime's --*-path ...)
             if every:
-                rows["advanced"].append((option, option.help))
+                rows["advanced"].append((option, option.help, list(owners)))
             else:
                 hidden["advanced"] += 1
         else:
-            rows["algorithm plugin"].append((option, f"{option.help} ({', '.join(owners)})"))
+            rows["algorithm plugin"].append((option, f"{option.help} ({', '.join(owners)})", list(owners)))
+    return rows, hidden, quickstart, implied
+
+
+def train_help(hooks, declared: dict[str, list[Option]], every: bool = False, width: int | None = None) -> str:
+    """The text of ``slime-core train --help`` (``every``: ``--help-all``) for the active plugins ``hooks``."""
+    width = width or min(120, max(60, shutil.get_terminal_size((100, 24)).columns))
+    rows, hidden, quickstart, implied = _option_rows(hooks, declared, every)
     out = ["usage: slime-core train [--plugin NAME ...] [--config FILE] [options]", ""]
     out += _lines("--plugin NAME", "An installed plugin (`slime-core plugins`), a module or a .py file; repeat it "
                   "for several. Its options are listed under 'algorithm plugin'.", width)
@@ -134,7 +141,7 @@ def train_help(hooks, declared: dict[str, list[Option]], every: bool = False, wi
         out += ["", f"{name}{more}:"]
         if name == "algorithm plugin" and not rows[name]:
             out.append("  (none: `slime-core train --plugin grpo --help` shows that plugin's options)")
-        for option, text in rows[name]:
+        for option, text, _ in rows[name]:
             default = default_text(option, quickstart, implied)
             out += _lines(flag_column(option), text + (f" [{default}]" if default else ""), width)
     if every:
@@ -145,37 +152,72 @@ def train_help(hooks, declared: dict[str, list[Option]], every: bool = False, wi
     return "\n".join(out) + "\n"
 
 
+TYPES = {bool: "bool", int: "int", float: "float", str: "str", json_value: "json"}
+
+
+def train_help_json(hooks, declared: dict[str, list[Option]], every: bool = False) -> list[dict]:
+    """``train --help --json`` (``every``: ``--help-all --json``): the options the text lists, one object each with
+    the keys ``flag, name, section, type, choices, nargs, default, quickstart, implied, plugins, target, help``
+    (``quickstart``: the quick start's value, ``implied``: what an active plugin sets, ``plugins``: the plugins
+    declaring it). With ``every`` also Megatron's pass-through flags (section ``megatron``, ``target`` the config
+    field they set) and SGLang's ``--sglang-<field>`` (section ``sglang``); null where a key does not apply."""
+    rows, _, quickstart, implied = _option_rows(hooks, declared, every)
+    out = [{"flag": option.flag, "name": option.name, "section": name,
+            "type": TYPES.get(option.type, getattr(option.type, "__name__", "str")),
+            "choices": list(option.choices) if option.choices else None, "nargs": option.nargs,
+            "default": option.default, "quickstart": quickstart.get(option.name, (None,))[0],
+            "implied": implied.get(option.name, (None,))[0], "plugins": owners, "target": None, "help": option.help}
+           for name in SECTIONS for option, _, owners in rows[name]]
+    if every:
+        megatron, sglang = _passthrough_fields()
+        blank = {"choices": None, "nargs": None, "default": None, "quickstart": None, "implied": None, "plugins": []}
+        out += [{**blank, "flag": flag, "name": field.name, "section": "megatron", "type": field.kind,
+                 "choices": list(field.choices) if getattr(field, "choices", None) else None,
+                 "target": f"{field.target or 'Megatron-LM'}.{field.name}", "help": ""} for flag, field in megatron]
+        out += [{**blank, "flag": flag, "name": flag[2:].replace("-", "_"), "section": "sglang", "type": None,
+                 "target": f"ServerArgs.{flag.removeprefix('--sglang-').replace('-', '_')}", "help": ""}
+                for flag in sglang or []]
+    return out
+
+
 def _default_task() -> str:
     return next(o.default for o in CORE_OPTIONS if o.name == "task")
+
+
+def _passthrough_fields() -> tuple[list | None, list[str] | None]:
+    """Megatron's pass-through flags as (flag, field) pairs and SGLang's ``--sglang-<field>`` flags (each None
+    when that package is not installed here)."""
+    from slimecore.trainers.megatron_args import known_fields
+    from slimecore.sglang_schema import OWNED, server_args_fields
+
+    core = {o.flag for o in CORE_OPTIONS}
+    try:
+        fields = known_fields()
+        megatron = sorted((getattr(f, "flag", "") or "--" + name.replace("_", "-"), f) for name, f in fields.items())
+        megatron = [(flag, field) for flag, field in megatron if flag not in core]
+    except ImportError:
+        megatron = None
+    fields = server_args_fields()
+    sglang = None if fields is None else ["--sglang-" + n.replace("_", "-") for n in sorted(fields) if n not in OWNED]
+    return megatron, sglang
 
 
 def passthrough(width: int) -> list[str]:
     """The Megatron flags slime-core passes to megatron-core (``--train-backend megatron``) and SGLang's
     ``ServerArgs`` fields (``--sglang-<field>``, ``--rollout-engine sglang``)."""
-    from slimecore.trainers.megatron_args import known_fields
-    from slimecore.sglang_schema import OWNED, server_args_fields
-
-    core = {o.flag for o in CORE_OPTIONS}
     kinds = {"int": "INT", "float": "FLOAT", "str": "TEXT", "freq": "PATTERN", "tuple": "VALUES", "none": "VALUE"}
+    megatron, sglang = _passthrough_fields()
     out = ["", "megatron (--train-backend megatron; each sets its megatron-core config field):"]
-    try:
-        fields = known_fields()
-    except ImportError:
-        fields = {}
+    if megatron is None:
         out.append("  (megatron-core is not installed here)")
-    rows = sorted((getattr(f, "flag", "") or "--" + name.replace("_", "-"), f) for name, f in fields.items())
-    for flag, field in rows:
-        if flag in core:
-            continue
+    for flag, field in megatron or []:
         choices = getattr(field, "choices", None)
         word = "" if field.kind == "bool" else "{" + ",".join(map(str, choices)) + "}" if choices \
             else kinds.get(field.kind, str(field.kind).upper())
         out += _lines(f"{flag} {word}".rstrip(), f"-> {field.target or 'Megatron-LM'}.{field.name}", width)
-    fields = server_args_fields()
     out += ["", "sglang (--rollout-engine sglang; --sglang-<field> VALUE sets ServerArgs.<field> of every engine):"]
-    if fields is None:
+    if sglang is None:
         return out + ["  (sglang is not installed here: its fields are checked where it is)"]
-    names = ["--sglang-" + name.replace("_", "-") for name in sorted(fields) if name not in OWNED]
-    out += textwrap.wrap(", ".join(names), width - 2, initial_indent="  ", subsequent_indent="  ",
+    out += textwrap.wrap(", ".join(sglang), width - 2, initial_indent="  ", subsequent_indent="  ",
                          break_on_hyphens=False)
     return out

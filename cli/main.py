@@ -44,9 +44,13 @@ def train(ctx):
     try:
         loaded = train_plugins(list(ctx.args))
         if {"--help", "-h", "--help-all"} & set(loaded[0]):
-            from slimecore_cli.help import train_help
+            from slimecore_cli.help import train_help, train_help_json
 
-            click.echo(train_help(loaded[2], loaded[3], every="--help-all" in loaded[0]), nl=False)
+            every = "--help-all" in loaded[0]
+            if "--json" in loaded[0]:  # the same options as objects (train_help_json's keys)
+                click.echo(json.dumps(train_help_json(loaded[2], loaded[3], every), indent=1, default=str))
+            else:
+                click.echo(train_help(loaded[2], loaded[3], every=every), nl=False)
             return
         config, hooks, implied = train_config(loaded)
         _banner(config, hooks, implied)  # the first line within a second or two: the checks below take longer
@@ -202,12 +206,28 @@ def hooks(name, as_json):
               help="Built-in task, or a data set an installed plugin ships (e.g. search_r1_qa).")
 @click.option("-n", "--num", default=1000, show_default=True, help="Number of rows (a shipped data set: at most).")
 @click.option("--seed", default=0, show_default=True)
-@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False), help="Output .jsonl path.")
-def data(task, num, seed, output):
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="Output .jsonl path (required unless --list).")
+@click.option("--list", "listing", is_flag=True, help="List the built-in tasks and the installed plugins' data sets.")
+@click.option("--json", "as_json", is_flag=True, help="With --list: machine-readable output.")
+def data(task, num, seed, output, listing, as_json):
     """Write a built-in task's prompts and labels, or a plugin's shipped data set, to a jsonl file (usable
     with --prompt-data)."""
     from slimecore.data.tasks import TASKS, write_task_jsonl
 
+    if listing:  # each row: name, kind (task | dataset), description, plugin, path
+        rows = [{"name": t.name, "kind": "task", "description": t.description, "plugin": None, "path": None}
+                for t in TASKS.values()]
+        rows += [{"name": name, "kind": "dataset", "description": None, "plugin": plugin, "path": path}
+                 for name, (plugin, path) in sorted(_plugin_datasets().items())]
+        if as_json:
+            click.echo(json.dumps(rows, indent=1))
+            return
+        for row in rows:
+            what = row["description"] or f"data set of plugin {row['plugin']!r}: {row['path']}"
+            click.echo(f"{row['name']:<16} {what}")
+        return
+    if output is None:
+        raise click.UsageError("Missing option '-o' / '--output' (or give --list).")
     if task in TASKS:
         write_task_jsonl(task, output, num, seed)
         console.print(f"wrote {num} rows of task {task!r} to {output} (keys: input, label, metadata)")

@@ -65,7 +65,9 @@ def runs_table(rows: list[dict], root: str, width: int) -> Table:
 @runs.command("show")
 @click.argument("run")
 @ROOT
-def show(run, root):
+@click.option("--json", "as_json", is_flag=True, help="Machine-readable output (the run's row of `runs --json` "
+              "with its config).")
+def show(run, root, as_json):
     """A run's summary (steps, reward first -> last quarter, time, paths) and its config.yaml."""
     from slimecore.display import RunDisplay
 
@@ -73,6 +75,9 @@ def show(run, root):
         info = run_info(resolve_run(run, Path(root)))
     except FileNotFoundError as exc:
         _fail(exc)
+    if as_json:
+        click.echo(json.dumps(info, indent=1, default=str))
+        return
     out = Console()
     RunDisplay(out, None, live=False).summary({**info["summary"], "paths": {"run": info["path"],
                                                                           **info["summary"].get("paths", {})}})

@@ -1,5 +1,6 @@
 """The command line: version, help everywhere, plugins and hooks listings, data, start-up errors."""
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -52,6 +53,45 @@ def test_data_writes_a_task_file(tmp_path):
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert len(rows) == 5 and {"input", "label", "metadata"} <= set(rows[0])
     assert run("data", "--task", "chess", "-o", str(out)).exit_code == 2
+
+
+def test_every_listing_has_a_json_form(tmp_path):
+    """Each listing's --json parses, with its documented keys (README, "Using it")."""
+    run_dir = tmp_path / "runs" / "20261128-093000-grpo"
+    run_dir.mkdir(parents=True)
+    (run_dir / "config.yaml").write_text("plugin: [grpo]\nnum_rollout: 2\nlr: 1.0e-06\n")
+    (run_dir / "metrics.jsonl").write_text(json.dumps({"step": 1, "rollout/raw_reward": 0.5}) + "\n")
+    listings = {  # command: keys of each row (one object for `runs show`)
+        ("plugins", "--json"): {"name", "distribution", "version", "hooks", "origin", "location"},
+        ("hooks", "--json"): {"name", "signature", "answers", "required", "async", "doc"},
+        ("runs", "--root", str(tmp_path / "runs"), "--json"): {"name", "path", "started", "plugins", "steps",
+                                                              "num_rollout", "final_reward", "finished", "summary"},
+        ("runs", "show", run_dir.name, "--root", str(tmp_path / "runs"), "--json"): {"name", "config", "summary"},
+        ("data", "--list", "--json"): {"name", "kind", "description", "plugin", "path"},
+    }
+    if importlib.util.find_spec("slime_models"):  # the models plugin (scripts/setup.sh installs it)
+        listings[("models", "--json")] = {"preset", "plugin", "architecture", "slime_model_file", "megatron_args"}
+    outputs = {args: (lambda r: (r.exit_code, r.stdout))(run(*args)) for args in listings}
+    option_keys = {"flag", "name", "section", "type", "choices", "nargs", "default", "quickstart", "implied", "plugins",
+                   "target", "help"}
+    for args in (("--plugin", "grpo", "--help"), ("--help-all",)):  # own process, as test_train_help_... says why
+        proc = subprocess.run([sys.executable, "-m", "slimecore_cli", "train", *args, "--json"], capture_output=True,
+                              text=True, timeout=scaled(60))
+        listings[args], outputs[args] = option_keys, (proc.returncode, proc.stdout)
+    for args, keys in listings.items():
+        code, out = outputs[args]
+        assert code == 0, (args, out[-2000:])
+        rows = json.loads(out)
+        rows = rows if isinstance(rows, list) else [rows]
+        assert rows and all(keys <= set(row) for row in rows), (args, rows[0])
+    options = {row["flag"]: row for row in json.loads(outputs[("--plugin", "grpo", "--help")][1])}
+    assert options["--eps-clip"]["default"] == 0.2 and options["--eps-clip"]["plugins"] == ["grpo"]
+    assert options["--eps-clip"]["type"] == "float" and options["--eps-clip"]["section"] == "algorithm plugin"
+    every = json.loads(outputs[("--help-all",)][1])
+    assert {"core", "advanced"} <= {row["section"] for row in every} and len(every) > len(options)
+    assert json.loads(outputs[("runs", "show", run_dir.name, "--root", str(tmp_path / "runs"), "--json")][1]
+                      )["config"]["lr"] == 1e-6
+    assert {"compare", "arithmetic"} <= {row["name"] for row in json.loads(outputs[("data", "--list", "--json")][1])}
 
 
 @pytest.mark.parametrize("args,expected", [
