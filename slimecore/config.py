@@ -230,6 +230,9 @@ CORE_OPTIONS: list[Option] = [
     _O("bf16", bool, False, "Train in bfloat16.", group="train"),
     _O("calculate_per_token_loss", bool, False, "Token mean over the step instead of mean of per-sample means.", group="train"),
     _O("gradient_checkpointing", bool, False, "Recompute activations in backward (fsdp backend).", group="train"),
+    _O("use_rollout_routing_replay", bool, False, "MoE models: the engines return the experts each token was routed "
+       "to, and training routes every token to the same experts (old-policy log-probs, forward and backward; "
+       "slimecore/routing_replay.py).", group="train"),
     _O("use_lora", bool, False, "Train LoRA adapters (fsdp backend); engines receive merged weights.", group="train"),
     _O("lora_rank", int, 8, "LoRA rank.", group="train"),
     _O("lora_alpha", int, 16, "LoRA alpha.", group="train"),

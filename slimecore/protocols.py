@@ -41,6 +41,10 @@ class RolloutClient(Protocol):
                        routing_key: str | None = None, **extra: Any) -> dict:
         """SGLang's ``POST /generate`` through the router: ``text``, ``output_ids``, ``meta_info``."""
 
+    def keep_routed_experts(self, sample: Sample, meta_info: dict) -> None:
+        """With ``--use-rollout-routing-replay``: keep the answer's routed experts on ``sample`` (whose tokens
+        already hold the answer's output); a generate hook calls it after each ``generate``. Otherwise nothing."""
+
 
 class ObservationHook(Protocol):
     def __call__(self, *, config: Config, sample: Sample, text: str, turn: int) -> Awaitable[str | None]: ...

@@ -66,7 +66,7 @@ def server_args_fields() -> dict[str, bool] | None:
 OWNED = {"model_path": "--hf-checkpoint", "tp_size": "--rollout-num-gpus-per-engine", "base_gpu_id": "placement",
          "host": "the run (127.0.0.1, or the node address on a multi-node run)", "port": "a free port",
          "random_seed": "--seed", "enable_memory_saver": "--offload-rollout", "api_key": "the run's own key",
-         "skip_server_warmup": "slime-core (always on)"}
+         "skip_server_warmup": "slime-core (always on)", "enable_return_routed_experts": "--use-rollout-routing-replay"}
 
 
 def overrides(config) -> dict:

@@ -2,8 +2,8 @@
 batch forms, the training-role declarations (``TrainRole``, ``Feed``) and a finished agent program (``AgentProcess``).
 
 Field names and status values follow slime's ``slime/utils/types.py`` so custom code ports over. slime's fields
-for features slime-core does not have (top-p replay, routing replay, on-policy distillation, per-sample train
-metadata) are not declared: a slime function that sets one still may (it becomes a plain attribute, which
+for features slime-core does not have (top-p replay, per-sample train metadata; on-policy distillation is a
+plugin's) are not declared: a slime function that sets one still may (it becomes a plain attribute, which
 slime-core ignores), and ``from_dict`` keeps such keys as attributes.
 A ``Sample`` holds one prompt and its response as token ids; everything the trainer needs is a list
 aligned with the response tokens (``loss_mask``, ``rollout_log_probs``).
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, TypedDict
 
 if TYPE_CHECKING:
+    import numpy as np
     import torch
 
 
@@ -76,6 +77,9 @@ class Sample:
     # response): a key any sample of a step sets becomes a ``TrainBatch`` column of that name (None where a
     # sample lacks it); dropped with the response (``reset_response``)
     train_columns: dict = field(default_factory=dict)
+    # --use-rollout-routing-replay: the experts each MoE layer routed tokens[:-1] to in the engine, a numpy array
+    # (len(tokens) - 1, layers, top-k) of small unsigned ints (slimecore.routing_replay); dropped with the response
+    rollout_routed_experts: np.ndarray | None = None
 
     # -- derived -----------------------------------------------------------------------------
     @property
@@ -217,6 +221,7 @@ class Sample:
         self.reward, self.status = None, Status.PENDING
         self.weight_versions, self.weight_version_spans = [], []
         self.train_columns = {}
+        self.rollout_routed_experts = None
 
     # -- serialisation (debug dumps, checkpoints of the buffer) ----------------------------------
     def to_dict(self) -> dict:
@@ -306,6 +311,7 @@ BufferFilter = Callable[[list[list[Sample]], int], list[list[Sample]]]
 
 class _EngineLogProbs(TypedDict, total=False):
     rollout_log_probs: list[list[float]]  # the engine's log-probs, when every sample has them
+    rollout_routed_experts: list[Any]  # --use-rollout-routing-replay: Sample.rollout_routed_experts (numpy arrays)
 
 
 class RolloutColumns(_EngineLogProbs):
@@ -313,9 +319,9 @@ class RolloutColumns(_EngineLogProbs):
     slime-core produces (optional keys sit in ``total=False`` bases, so ``__required_keys__`` is right at run
     time). slime's ``raw_reward`` is ``raw_rewards`` here (the slime adapter hands slime's functions slime's
     name). slime columns not produced: ``round_number``, ``rollout_top_p_token_ids`` /
-    ``rollout_top_p_token_offsets``, ``rollout_routed_experts``, ``metadata``, ``multimodal_train_inputs``,
-    ``source_names`` (no engine here returns those, and no loss reads them). Plugins add their own columns
-    through ``Sample.train_columns`` (the opd plugin's ``teacher_log_probs``)."""
+    ``rollout_top_p_token_offsets``, ``metadata``, ``multimodal_train_inputs``, ``source_names`` (no engine here
+    returns those, and no loss reads them); ``rollout_routed_experts`` comes with ``--use-rollout-routing-replay``.
+    Plugins add their own columns through ``Sample.train_columns`` (the opd plugin's ``teacher_log_probs``)."""
 
     tokens: list[list[int]]  # prompt + response ids
     response_lengths: list[int]

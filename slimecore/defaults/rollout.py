@@ -72,6 +72,7 @@ async def slime_generate(config, sample: Sample, sampling_params: dict, client, 
     sample.append_response_tokens(
         [e[1] for e in entries], [e[0] for e in entries], trainable=True, text=out.get("text", ""),
         finish_reason=meta["finish_reason"], weight_version=meta.get("weight_version"))
+    client.keep_routed_experts(sample, meta)
     return sample
 
 

@@ -263,7 +263,7 @@ def _build_args(config) -> SlimeArgs:
         values.update(plugin_values)
     values.update({f"sglang_{key}": value for key, value in state["sglang_args"].items()})
     values.update(
-        rollout_global_dataset=True, ci_test=False, use_rollout_routing_replay=False, sglang_dp_size=None,
+        rollout_global_dataset=True, ci_test=False, sglang_dp_size=None,
         multimodal_keys=None, eval_reward_key=None, allgather_cp=False, log_probs_chunk_size=-1,
         loss_type=values.get("loss_type") or ("custom_loss" if values.get("custom_loss_function_path")
                                               else "policy_loss"),

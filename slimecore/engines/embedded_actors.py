@@ -13,7 +13,8 @@ class EmbeddedEngineActor:
     binds the address of the node it runs on (multi-node runs), anything else is used as given."""
 
     def __init__(self, model_path: str, max_batch_size: int = 64, seed: int = 0, num_threads: int = 1,
-                 dtype: str = "float32", host: str = "127.0.0.1", api_key: str | None = None):
+                 dtype: str = "float32", host: str = "127.0.0.1", api_key: str | None = None,
+                 return_routed_experts: bool = False):
         if host == "node":
             from slimecore.raytools import node_address
 
@@ -24,7 +25,8 @@ class EmbeddedEngineActor:
 
         torch.set_num_threads(num_threads)
         self.server = EmbeddedServer(model_path, host=host, max_batch_size=max_batch_size, seed=seed,
-                                     num_threads=num_threads, dtype=dtype, api_key=api_key)
+                                     num_threads=num_threads, dtype=dtype, api_key=api_key,
+                                     return_routed_experts=return_routed_experts)
 
     def start(self) -> str:
         return self.server.start()

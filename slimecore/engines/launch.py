@@ -55,7 +55,8 @@ class EngineLauncher:
         from slimecore.engines.embedded_actors import EmbeddedEngineActor
 
         return ray.remote(EmbeddedEngineActor).options(**options).remote(
-            c.hf_checkpoint, seed=c.seed + index, num_threads=torch_threads(c), host=self.host, api_key=self.api_key)
+            c.hf_checkpoint, seed=c.seed + index, num_threads=torch_threads(c), host=self.host, api_key=self.api_key,
+            return_routed_experts=c.use_rollout_routing_replay)
 
     def start(self, indices: list[int] | None = None) -> list[tuple[object, str]]:
         """Start engines ``indices`` (default: all) together; ``[(actor, url), ...]`` once every one serves."""

@@ -7,7 +7,8 @@ and starts ``--sglang-launch-command`` (default ``python -m sglang.launch_server
 - set here, as slime does: ``model_path`` (``--hf-checkpoint``), ``tp_size``
   (``--rollout-num-gpus-per-engine``), ``base_gpu_id`` (the GPU Ray gave the actor), ``host``, ``port`` (a
   free one), ``random_seed`` (``--seed`` + engine index), ``enable_memory_saver`` (``--offload-rollout``),
-  ``skip_server_warmup``, and ``api_key`` on a multi-node run;
+  ``skip_server_warmup``, ``enable_return_routed_experts`` (``--use-rollout-routing-replay``), and ``api_key`` on
+  a multi-node run;
 - then every ``--sglang-<field> VALUE``, then the ``--sglang-config`` YAML mapping, under SGLang's own
   field names. An unknown field, or one of the fields above, is a start-up error (checked against the
   installed sglang's ``ServerArgs`` before Ray starts).
@@ -40,6 +41,8 @@ def server_args(config: Config, index: int, base_gpu_id: int, host: str, port: i
             "skip_server_warmup": True}
     if config.offload_rollout:
         args["enable_memory_saver"] = True
+    if config.use_rollout_routing_replay:
+        args["enable_return_routed_experts"] = True
     if api_key:
         args["api_key"] = api_key
     args.update(overrides(config))

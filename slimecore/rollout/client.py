@@ -112,7 +112,7 @@ class SharedRequests:
         if not live:
             return
         body = {"sampling_params": json.loads(params), "return_logprob": return_logprob,
-                "input_ids": live[0][0] if len(live) == 1 else [ids for ids, _ in live]}
+                "input_ids": live[0][0] if len(live) == 1 else [ids for ids, _ in live], **client.asks}
         try:
             answer = await client._request("POST", client.url + "/generate", body)
             answers = [answer] if len(live) == 1 else answer
@@ -138,7 +138,10 @@ class RolloutClient:
 
     ``timeout`` bounds one HTTP call in seconds; ``max_retries`` is the number of retries after the first
     attempt for connection errors and 5xx. ``tokenizer`` (optional) is the rollout's tokenizer, kept
-    here for hooks that want to encode or decode next to their calls."""
+    here for hooks that want to encode or decode next to their calls. ``routed_experts`` (the rollout manager
+    sets it with ``--use-rollout-routing-replay``: the model's ``slimecore.routing_replay.RoutingShape``) makes
+    every ``/generate`` ask for the experts each token was routed to; a generate hook keeps them on its sample
+    with :meth:`keep_routed_experts`."""
 
     def __init__(self, router_url: str, tokenizer: Any = None, timeout: float = 600, max_retries: int = 5,
                  api_key: str | None = None):
@@ -149,6 +152,7 @@ class RolloutClient:
         self.tokenizer = tokenizer
         self.timeout, self.max_retries = timeout, max_retries
         self.retries = 0  # requests sent again after a connection error or a 5xx, since the client was made
+        self.routed_experts = None
         self._sessions: dict[asyncio.AbstractEventLoop, aiohttp.ClientSession] = {}
 
     def _session(self) -> aiohttp.ClientSession:
@@ -199,7 +203,7 @@ class RolloutClient:
         if (input_ids is None) == (text is None):
             raise ValueError("give exactly one of input_ids and text")
         body: dict[str, Any] = {"sampling_params": dict(sampling_params or {}), "return_logprob": return_logprob,
-                                **extra}
+                                **self.asks, **extra}
         if input_ids is not None:
             body["input_ids"] = list(input_ids)
         else:
@@ -237,6 +241,21 @@ class RolloutClient:
                 workers = []  # not a router
             length = await stated(workers[0].rstrip("/")) if workers else None
         return length
+
+    @property
+    def asks(self) -> dict:
+        """Top-level fields every ``/generate`` of this client carries."""
+        return {"return_routed_experts": True} if self.routed_experts is not None else {}
+
+    def keep_routed_experts(self, sample, meta_info: dict) -> None:
+        """With ``routed_experts`` set: ``sample.rollout_routed_experts`` from the answer's ``meta_info`` (SGLang's
+        base64 int32 rows, compacted: ``slimecore.routing_replay.decode``) for ``sample.tokens``, which must
+        already hold the answer's output; a ``RoutingError`` names what is missing. Without it, nothing."""
+        if self.routed_experts is not None:
+            from slimecore.routing_replay import decode  # numpy: only where routing is kept
+
+            sample.rollout_routed_experts = decode(meta_info, len(sample.tokens), self.routed_experts,
+                                                   sample.rollout_routed_experts)
 
     async def worker_urls(self) -> list[str]:
         """The engines registered with the router (``GET /workers``)."""

@@ -21,6 +21,7 @@ from slimecore.errors import check_reward_failures
 from slimecore.plugins import load_for_config
 from slimecore.raytools import ray_get
 from slimecore.rollout.hook_args import SampleHooks, buffer_filter
+from slimecore.routing_replay import check_samples, checkpoint_shape
 from slimecore.watchdog import LoopThread
 from slimecore.runs import write_samples
 from slimecore.types import RolloutColumns, Sample, Status
@@ -109,6 +110,8 @@ class RolloutManager:
         self.client = RolloutClient(self.router.url, tokenizer=self.tokenizer, api_key=self.api_key,
                                     timeout=c.sglang_router_request_timeout_secs,
                                     max_retries=retries if c.use_fault_tolerance else 5)
+        if c.use_rollout_routing_replay:
+            self.client.routed_experts = checkpoint_shape(c.hf_checkpoint)
 
     @property
     def engines(self) -> list:
@@ -335,6 +338,9 @@ def convert_samples(hooks, config: Config, samples: list[Sample]) -> RolloutColu
     }
     if all(s.rollout_log_probs is not None for s in samples):
         data["rollout_log_probs"] = [list(s.rollout_log_probs) for s in samples]
+    if config.use_rollout_routing_replay:
+        check_samples(samples)
+        data["rollout_routed_experts"] = [s.rollout_routed_experts for s in samples]
     for key in sorted({key for s in samples for key in s.train_columns}):  # plugins' own columns
         if key in data:
             raise ValueError(f"Sample.train_columns[{key!r}] would replace the core's training column {key!r}; "

@@ -115,6 +115,7 @@ async def run_turns(sample: Sample, client: Any, sampling_params: dict, on_turn:
         sample.append_response_tokens([e[1] for e in entries], [e[0] for e in entries], trainable=True,
                                       text=out.get("text", ""), finish_reason=meta["finish_reason"],
                                       weight_version=meta.get("weight_version"))
+        client.keep_routed_experts(sample, meta)
         sample.metadata["turns"] = turn + 1
         if sample.status in (Status.ABORTED, Status.TRUNCATED) or turn == max_turns - 1:
             break

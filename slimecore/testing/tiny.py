@@ -18,7 +18,10 @@ CHAT_TEMPLATE = (
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 BPE_VOCAB = 400
 # arch -> the transformers class prefix (``Qwen2Config``, ``Qwen2ForCausalLM``)
-ARCHS = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral"}
+ARCHS = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral", "qwen3_moe": "Qwen3Moe"}
+# the mixture-of-experts arch: 4 experts, top-2, with router weights drawn at std 1 (the default init's 0.02
+# sends nearly every token to the same experts)
+MOE = {"qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True}}
 _BUILT: dict[tuple, Path] = {}  # (directory, spec) -> directory, for repeated calls in one process
 
 
@@ -81,12 +84,18 @@ def make_tiny_checkpoint(directory: str | Path, arch: str = "qwen2", vocab_size:
     eos, pad = tokenizer.convert_tokens_to_ids("<|im_end|>"), tokenizer.convert_tokens_to_ids("<|endoftext|>")
     name = ARCHS[arch]
     config_cls, model_cls = getattr(transformers, f"{name}Config"), getattr(transformers, f"{name}ForCausalLM")
+    moe = {**MOE[arch], "moe_intermediate_size": hidden // 2} if arch in MOE else {}
     config = config_cls(vocab_size=vocab_size or len(tokenizer), hidden_size=hidden, intermediate_size=hidden * 2,
                         num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                         head_dim=hidden // heads, max_position_embeddings=512, tie_word_embeddings=False,
-                        eos_token_id=eos, pad_token_id=pad, bos_token_id=None)
+                        eos_token_id=eos, pad_token_id=pad, bos_token_id=None, **moe)
     torch.manual_seed(seed)
     model = model_cls(config).to(torch.float32)
+    if moe:
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.gate.weight"):
+                    param.normal_(0, 1.0)
     model.generation_config = GenerationConfig(eos_token_id=eos, pad_token_id=pad)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory, safe_serialization=True)

@@ -140,9 +140,12 @@ def data_parallel_ranks(config, world_size: int) -> list[int]:
 
 
 def check_startup(config, hooks) -> None:
-    """Before Ray (``slimecore.startup.prepare``): the run's backend's own checks (``DRIVER_SIDE``), then the
-    Megatron arguments given as flags against the checkpoint's ``config.json`` (through the shape those checks
-    found, where they found one)."""
+    """Before Ray (``slimecore.startup.prepare``): routing replay's needs (``slimecore.routing_replay``), the run's
+    backend's own checks (``DRIVER_SIDE``), then the Megatron arguments given as flags against the checkpoint's
+    ``config.json`` (through the shape those checks found, where they found one)."""
+    from slimecore.routing_replay import check_config
+
+    check_config(config)
     side = _driver_side(config)
     shape = side.check_startup(config, hooks) if side else None
     if config.megatron_args:

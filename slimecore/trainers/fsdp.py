@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from slimecore.ops.linear_logprobs import CHUNK_TOKENS, linear_log_probs_and_entropy
 from slimecore.ops.logprobs import log_probs_and_entropy
+from slimecore.routers import RouterReplay
 from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
                                         save_rng, training_device)
 
@@ -194,6 +195,9 @@ class FSDPBackend:
                 r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(config.lora_target_modules),
                 lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
         self.model = model.to(self.device)
+        # --use-rollout-routing-replay: the policy's MoE routers route each token to the rollout's experts
+        self.router_replay = (RouterReplay(self.model) if config.use_rollout_routing_replay and not self.is_value
+                              else None)
 
         self.shared_files: list[str] = []  # /dev/shm files the driver unlinks when the run ends
         if self.sharded:
@@ -264,7 +268,9 @@ class FSDPBackend:
         the module docstring)."""
         if self.packed:
             return self._forward_packed(tokens, response_lengths, temperature, with_entropy)
-        chunks = ([list(range(len(tokens)))] if self.sharded
+        # one forward for the whole micro-batch when sharded (every rank runs the same forwards) or when replaying
+        # routing (the routers hold one micro-batch's experts until its backward, which may recompute layers)
+        chunks = ([list(range(len(tokens)))] if self.sharded or self.router_replay
                   else forward_chunks([len(t) for t in tokens], self.forward_cost))
         outputs: dict[str, list | None] = {}
         for chunk in chunks:
@@ -377,25 +383,39 @@ class FSDPBackend:
                     if train:
                         zero.backward()
                     continue
-                outputs = self._forward([batch["tokens"][i] for i in mb], [batch["response_lengths"][i] for i in mb],
-                                        temperature, with_entropy)
-                loss, info = fn(mb, outputs)
-                if train:
-                    loss.backward()
+                with self._routing(batch, mb):
+                    outputs = self._forward([batch["tokens"][i] for i in mb],
+                                            [batch["response_lengths"][i] for i in mb], temperature, with_entropy)
+                    loss, info = fn(mb, outputs)
+                    if train:
+                        loss.backward()
                 infos.append(info)
         return infos
 
+    def _routing(self, batch: dict, mb: list[int]):
+        """With routing replay, a block in which the MoE routers take the rollout's experts for micro-batch ``mb``
+        (laid out as ``_forward`` runs it: one stream, or one chunk right-padded to its longest sample)."""
+        if self.router_replay is None:
+            return contextlib.nullcontext()
+        if batch.get("rollout_routed_experts") is None:
+            raise ValueError("--use-rollout-routing-replay: the batch has no rollout_routed_experts column")
+        lengths = [len(batch["tokens"][i]) for i in mb]
+        return self.router_replay.replaying(self.router_replay.rows(
+            [batch["rollout_routed_experts"][i] for i in mb], lengths, None if self.packed else max(lengths)))
+
     @contextlib.contextmanager
     def reference_weights(self):
-        """Swap the reference weights in (LoRA: disable the adapters), restore the current ones after."""
-        if self.config.use_lora:
-            with self.model.disable_adapter():
+        """Swap the reference weights in (LoRA: disable the adapters), restore the current ones after. The
+        reference's MoE routers choose their own experts (no routing replay), as slime's reference does."""
+        with self.router_replay.own_choice() if self.router_replay else contextlib.nullcontext():
+            if self.config.use_lora:
+                with self.model.disable_adapter():
+                    yield
+                return
+            if self._reference is None:
+                raise missing_reference()
+            with self._reference.swapped_in(self._live_weights):
                 yield
-            return
-        if self._reference is None:
-            raise missing_reference()
-        with self._reference.swapped_in(self._live_weights):
-            yield
 
     def _live_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """This rank's parameter tensors (its shards when sharded)."""

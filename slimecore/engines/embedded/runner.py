@@ -116,6 +116,8 @@ class ModelRunner:
             # mask, positions, logits), as SGLang's radix cache reuses a whole cached prompt
             batch = self._prefill([reqs[rows.index(row)] for row in range(len(distinct))])
             batch.take(rows)
+            if self.routes:
+                self.routes.share(reqs, rows)
             return batch
         shared = self._shared_prefix(reqs)
         if shared:
@@ -131,6 +133,8 @@ class ModelRunner:
         # the full (B, T, V) logits only when a row asked for prompt log-probs: it is the largest tensor
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=0 if prompt_logprobs else 1)
+        if self.routes:
+            self.routes.keep(reqs, mask)
         if prompt_logprobs:
             for i, r in enumerate(reqs):
                 if r.logprob_start_len >= 0:
@@ -143,6 +147,8 @@ class ModelRunner:
         prefix's KV repeated per row, as SGLang's prefix cache does for the n samples of one prompt. Row
         layout: prefix, padding, suffix (the mask hides the padding; positions continue the prefix)."""
         out = self.model(input_ids=torch.tensor([reqs[0].input_ids[:shared]]), use_cache=True, logits_to_keep=1)
+        if self.routes:
+            self.routes.keep(reqs, torch.ones(1, shared))
         cache = getattr(out, self.cache_name)
         for layer in cache.layers:
             layer.keys = layer.keys.expand(len(reqs), -1, -1, -1).contiguous()
@@ -157,6 +163,8 @@ class ModelRunner:
         positions = (shared + own.cumsum(-1) - 1).clamp(min=shared)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self.cache_name: cache})
+        if self.routes:
+            self.routes.keep(reqs, own)
         return _Batch(mask, positions[:, -1:], self._growing(getattr(out, self.cache_name)),
                       out.logits[:, -1, :].float())
 

@@ -177,6 +177,8 @@ class Scheduler:
                     batch.select(keep)
             if rows:
                 self._decode_step(batch, tokens)
+                if self.routes:
+                    self.routes.keep(rows)
             pending = self._admit(self._joiners(len(rows)))
 
     def _joiners(self, running: int) -> list[Request]:

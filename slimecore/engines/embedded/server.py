@@ -24,6 +24,7 @@ from slimecore.engines.embedded.scheduler import Scheduler, _PauseGate
 from slimecore.engines.embedded.weights import Weights, _own_weights
 from slimecore.engines.fastpath import FastDecoder
 from slimecore.engines.http import build_app, run_app
+from slimecore.routers import ExpertRecorder
 
 log = logging.getLogger("slimecore.engine")
 VERSION = "slimecore-embedded-0.2"
@@ -38,8 +39,10 @@ class EmbeddedServer(RequestForms, Scheduler, ModelRunner, Sampler, Weights):
 
     def __init__(self, model_path: str | Path, host: str = "127.0.0.1", port: int = 0, max_batch_size: int = 64,
                  dtype: str = "float32", seed: int = 0, model_path_for_info: str | None = None,
-                 num_threads: int = 1, api_key: str | None = None):
+                 num_threads: int = 1, api_key: str | None = None, return_routed_experts: bool = False):
         self.model_path, self.host, self.port = str(model_path), host, port
+        # SGLang's --enable-return-routed-experts: record each token's MoE experts (slimecore.routers.ExpertRecorder)
+        self.return_routed_experts = return_routed_experts
         self.api_key = api_key  # SGLang's --api-key: every endpoint but /health* and /metrics needs the bearer token
         self.model_path_for_info = model_path_for_info or self.model_path
         self.max_batch_size, self.num_threads, self.seed = max_batch_size, num_threads, seed
@@ -132,6 +135,7 @@ class EmbeddedServer(RequestForms, Scheduler, ModelRunner, Sampler, Weights):
         self._growing_layer = _growing_layer_class()
         why_not = FastDecoder.supports(self.model)
         self.fast = None if why_not else FastDecoder(self.model)  # the decode step; prefill stays HF's forward
+        self.routes = ExpertRecorder(self.model) if self.return_routed_experts else None
         log.info("decode step: %s", "fast path" if self.fast else f"HF forward ({why_not})")
 
     def server_info(self) -> dict:
@@ -141,7 +145,7 @@ class EmbeddedServer(RequestForms, Scheduler, ModelRunner, Sampler, Weights):
                 "disaggregation_mode": "null", "disaggregation_bootstrap_port": None, "encoder_only": False,
                 "served_model_name": self.model_path_for_info, "dtype": str(self.dtype).removeprefix("torch."),
                 "random_seed": self.seed, "max_running_requests": self.max_batch_size,
-                "enable_memory_saver": False, "enable_return_routed_experts": False, "skip_tokenizer_init": False,
+                "enable_memory_saver": False, "enable_return_routed_experts": self.return_routed_experts, "skip_tokenizer_init": False,
                 "weight_version": self.weight_version, "version": VERSION,
                 "status": "ready" if self.ready else "loading",
                 "max_total_num_tokens": self.context_len if self.ready else 0,

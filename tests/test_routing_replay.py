@@ -1,0 +1,233 @@
+"""Rollout routing replay (R3, ``--use-rollout-routing-replay``): SGLang's ``meta_info.routed_experts`` format, the
+routers' replay (bit-identical on their own choice, for each router kind), the embedded engine's record, and the
+fsdp trainer routing every token to the experts the engine used, through the real engine, rollout columns, DP
+split and ``Trainer``; bad combinations stop before Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, DeepseekV3Config, Glm4MoeConfig, Qwen2MoeConfig, Qwen3MoeConfig
+
+from slimecore.config import Config, ConfigError
+from slimecore.plugins import load_plugins
+from slimecore.routers import ROUTERS, RouterReplay, find_routers
+from slimecore.routing_replay import (REPLAYABLE_MODEL_TYPES, RoutingError, RoutingShape, check_config, decode,
+                                      encode)
+from slimecore.testing.tiny import make_tiny_checkpoint
+
+SHAPE = RoutingShape(layers=2, topk=2, num_experts=4, model_type="qwen3_moe")
+_SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2,
+              num_attention_heads=4, num_key_value_heads=4, num_experts_per_tok=2)
+ARCHITECTURES = {  # one tiny HF model per router class of slimecore.routers.ROUTERS
+    "qwen2_moe": lambda: Qwen2MoeConfig(**_SMALL, num_experts=4, shared_expert_intermediate_size=16),
+    "qwen3_moe": lambda: Qwen3MoeConfig(**_SMALL, num_experts=4, head_dim=8, norm_topk_prob=True),
+    "deepseek_v3": lambda: DeepseekV3Config(**_SMALL, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1,
+                                            q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                            v_head_dim=8, n_group=2, topk_group=1, routed_scaling_factor=2.5),
+    "glm4_moe": lambda: Glm4MoeConfig(**_SMALL, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=0,
+                                      head_dim=8, n_group=1, topk_group=1, routed_scaling_factor=1.5),
+}
+
+
+def test_sglang_wire_format():
+    """``meta_info.routed_experts`` as SGLang's detokenizer writes it (base64 of int32 rows for positions [start,
+    tokens - 1)) decodes to the compact array; a missing, short or out-of-range answer is one clear error."""
+    rows = np.random.default_rng(0).integers(0, 4, size=(9, 2, 2), dtype=np.int32)
+    full = decode({"routed_experts": encode(rows)}, num_tokens=10, shape=SHAPE)
+    assert full.dtype == np.uint8 and np.array_equal(full, rows)
+    tail = decode({"routed_experts": encode(rows[6:]), "routed_experts_start_len": 6}, 10, SHAPE, previous=full[:6])
+    assert np.array_equal(tail, rows)
+    assert RoutingShape(1, 8, 257, "").dtype == np.uint16  # more experts than a byte holds
+    with pytest.raises(RoutingError, match="no meta_info.routed_experts; start SGLang with --enable-return-routed"):
+        decode({}, 10, SHAPE)
+    with pytest.raises(RoutingError, match="holds 32 ids; 10 tokens from position 0 need 9 rows"):
+        decode({"routed_experts": encode(rows[:8])}, 10, SHAPE)
+    with pytest.raises(RoutingError, match=r"expert id 7 outside \[0, 4\)"):
+        decode({"routed_experts": encode(np.full((9, 2, 2), 7))}, 10, SHAPE)
+
+
+@pytest.mark.parametrize("model_type", list(ARCHITECTURES))
+def test_replaying_a_routers_own_choice_changes_nothing(model_type):
+    """Each router kind: the forward replaying the experts the router chose itself gives the same logits, bit for
+    bit (the replayed weighting is the model's own); replaying other experts changes them."""
+    assert set(ARCHITECTURES) == set(REPLAYABLE_MODEL_TYPES)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(ARCHITECTURES[model_type]()).eval()
+    assert {type(r).__name__ for _, r in find_routers(model)} <= set(ROUTERS)
+    replay = RouterReplay(model)
+    ids = torch.randint(0, 64, (2, 7))
+    with torch.no_grad():
+        own = model(input_ids=ids).logits
+        chosen = {layer: indices.clone() for layer, indices in replay.seen.items()}
+        with replay.replaying(chosen):
+            again = model(input_ids=ids).logits
+        with replay.replaying({layer: (indices + 1) % 4 for layer, indices in chosen.items()}):
+            other = model(input_ids=ids).logits
+    assert torch.equal(own, again)
+    assert not torch.allclose(own, other)
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoint(tmp_path_factory):
+    return str(make_tiny_checkpoint(tmp_path_factory.mktemp("moe"), arch="qwen3_moe"))
+
+
+@pytest.fixture(scope="module")
+def rollout(moe_checkpoint):
+    """Eight samples from the real embedded engine in bf16 (the trainer is fp32, so a few routings differ) recording
+    its routing, through the rollout client as a run's generate hook uses it."""
+    from slimecore.engines.embedded import EmbeddedServer
+    from slimecore.rollout.client import RolloutClient, SharedRequests
+    from slimecore.routing_replay import checkpoint_shape
+    from slimecore.types import Sample
+
+    server = EmbeddedServer(moe_checkpoint, dtype="bfloat16", return_routed_experts=True)
+    server.start()
+    client = RolloutClient(server.url)
+    client.routed_experts = checkpoint_shape(moe_checkpoint)
+    rng = random.Random(0)
+
+    async def one(index: int) -> Sample:
+        sample = Sample(index=index, tokens=[rng.randint(3, 390) for _ in range(rng.randint(16, 24))], reward=1.0)
+        out = await client.generate(input_ids=sample.tokens, sampling_params={
+            "max_new_tokens": 48, "ignore_eos": True, "sampling_seed": index})
+        meta = out["meta_info"]
+        entries = meta["output_token_logprobs"]
+        sample.append_response_tokens([e[1] for e in entries], [e[0] for e in entries],
+                                      finish_reason=meta["finish_reason"])
+        client.keep_routed_experts(sample, meta)
+        return sample
+
+    async def generate():
+        with SharedRequests():  # one batched request, as a prompt group's samples go
+            samples = await asyncio.gather(*(one(i) for i in range(8)))
+        await client.close()
+        return samples
+
+    try:
+        assert server.server_info()["enable_return_routed_experts"]
+        yield asyncio.run(generate())
+    finally:
+        server.stop()
+
+
+def _trainer_data(checkpoint: str, samples, replay: bool, use_kl_loss: bool = False, **core):
+    """A grpo ``Trainer`` of ``checkpoint`` and its rank's data made from ``samples`` as a run makes them (rollout
+    columns, DP split), with a hook keeping every router call's chosen experts."""
+    from slimecore.rollout.manager import convert_samples
+    from slimecore.rollout.schedule import split_rollout_data
+    from slimecore.trainers.trainer import Trainer
+
+    hooks = load_plugins(["grpo"])
+    grpo = {o.name: o.default for o in hooks.slime_options()["grpo"]} | {"use_kl_loss": use_kl_loss}
+    config = Config.make(plugins=["grpo"], plugin_values={"grpo": grpo}, hf_checkpoint=checkpoint, rollout_batch_size=8,
+                         global_batch_size=8, use_rollout_routing_replay=replay, **core)
+    [part] = split_rollout_data(config, convert_samples(hooks, config, samples), 1)
+    trainer = Trainer(config, hooks)
+    calls: dict[int, list[torch.Tensor]] = {}  # every router call's chosen experts, by layer
+    for layer, router in find_routers(trainer.backend.model):
+        router.register_forward_hook(lambda m, a, out, layer=layer: calls.setdefault(layer, []).append(out[2].clone()))
+    return trainer, part, calls
+
+
+def _rows_of(call: torch.Tensor, tokens: list[list[int]], width: int) -> list[np.ndarray]:
+    """Each sequence's rows of one router call over sequences right-padded to ``width``, its last token left out."""
+    return [call.view(len(tokens), width, -1)[i, :len(t) - 1].numpy() for i, t in enumerate(tokens)]
+
+
+def test_engine_routing_is_the_routing_of_each_sample_alone(rollout, moe_checkpoint):
+    """The engine's record (batched, prefix-shared, KV-cached, in bf16) equals each sample's own routing in a bf16
+    HF forward of its tokens alone, for all but a handful of near-tie token-layers."""
+    model = AutoModelForCausalLM.from_pretrained(moe_checkpoint, dtype=torch.bfloat16).eval()
+    seen = {}
+    for layer, router in find_routers(model):
+        router.register_forward_hook(lambda m, a, out, layer=layer: seen.__setitem__(layer, out[2]))
+    differing = total = 0
+    for sample in rollout:
+        assert sample.rollout_routed_experts.shape == (len(sample.tokens) - 1, 2, 2)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([sample.tokens[:-1]]))
+        alone = np.stack([seen[layer].numpy() for layer in sorted(seen)], axis=1)
+        differing += int((np.sort(alone, -1) != np.sort(sample.rollout_routed_experts, -1)).any(-1).sum())
+        total += alone.shape[0] * alone.shape[1]
+    assert differing <= total // 100, (differing, total)
+
+
+def test_training_routes_every_token_to_the_rollouts_experts(rollout, moe_checkpoint):
+    """With replay, the trainer's routers choose exactly the engine's experts for every token and layer: in the
+    old-policy log-prob pass (micro-batches of 3, right-padded) and in a training step's forward and its
+    gradient-checkpointing recompute; the train/rollout log-prob gap is below the gap without replay, where the
+    fp32 trainer routes some tokens elsewhere than the bf16 engine did."""
+    engine = {sample.index: sample.rollout_routed_experts for sample in rollout}
+    gaps = {}
+    for replay in (True, False):
+        trainer, part, calls = _trainer_data(moe_checkpoint, rollout, replay, micro_batch_size=3)
+        log_probs = trainer.compute_log_probs(part)
+        gaps[replay] = float(np.mean([float((lp - torch.tensor(r)).abs().mean())
+                                      for lp, r in zip(log_probs, part["rollout_log_probs"])]))
+        micro_batches = part["steps"][0]["micro_batches"]
+        differing = 0
+        for layer, layer_calls in calls.items():
+            assert len(layer_calls) == len(micro_batches)
+            for call, mb in zip(layer_calls, micro_batches):
+                tokens = [part["tokens"][i] for i in mb]
+                for got, i in zip(_rows_of(call, tokens, max(map(len, tokens))), mb):
+                    expected = engine[part["sample_indices"][i]][:, layer]
+                    if replay:
+                        assert np.array_equal(got, expected), (layer, i)
+                    differing += int((np.sort(got, -1) != np.sort(expected, -1)).any(-1).sum())
+        if not replay:
+            assert differing > 0  # what replay fixes: the fp32 trainer alone routes some tokens elsewhere
+    assert gaps[True] < gaps[False]
+
+    trainer, part, calls = _trainer_data(moe_checkpoint, rollout, True, micro_batch_size=8,
+                                         gradient_checkpointing=True)
+    trainer.train(0, part)
+    [mb] = part["steps"][0]["micro_batches"]
+    tokens = [part["tokens"][i] for i in mb]
+    for layer, layer_calls in calls.items():
+        assert len(layer_calls) >= 2  # the old-policy pass, the step's forward (and its recompute)
+        for call in layer_calls:
+            for got, i in zip(_rows_of(call, tokens, max(map(len, tokens))), mb):
+                assert np.array_equal(got, engine[part["sample_indices"][i]][:, layer])
+
+
+def test_reference_policy_routes_by_itself(rollout, moe_checkpoint):
+    """The reference pass (the KL term's, under ``reference_weights``) takes its own routing, as slime's: before any
+    update it gives the log-probs of a run without replay, not the replayed ones."""
+    trainer, part, _ = _trainer_data(moe_checkpoint, rollout, True, micro_batch_size=8, use_kl_loss=True)
+    replayed = trainer.compute_log_probs(part)
+    with trainer.backend.reference_weights():
+        reference = trainer.compute_log_probs(part)
+    plain, plain_part, _ = _trainer_data(moe_checkpoint, rollout, False, micro_batch_size=8)
+    own = plain.compute_log_probs(plain_part)
+    assert all(torch.equal(a, b) for a, b in zip(reference, own))
+    assert any(not torch.equal(a, b) for a, b in zip(reference, replayed))
+
+
+def test_bad_combinations_stop_before_ray(tmp_path, moe_checkpoint):
+    dense = make_tiny_checkpoint(tmp_path / "dense", arch="qwen3")
+    with pytest.raises(ConfigError, match="drop the flag"):
+        check_config(Config.make(hf_checkpoint=moe_checkpoint, use_rollout_routing_replay=True, engines=False))
+    check_config(Config.make(hf_checkpoint=moe_checkpoint, use_rollout_routing_replay=True))  # passes
+    (tmp_path / "mixtral").mkdir()
+    (tmp_path / "mixtral" / "config.json").write_text('{"model_type": "mixtral", "num_local_experts": 8, '
+                                                      '"num_experts_per_tok": 2, "num_hidden_layers": 2}')
+    with pytest.raises(ConfigError, match="cannot replay the router of model_type 'mixtral'"):
+        check_config(Config.make(hf_checkpoint=str(tmp_path / "mixtral"), use_rollout_routing_replay=True))
+    proc = subprocess.run([sys.executable, "-m", "slimecore_cli", "train", "--plugin", "grpo", "--rollout-batch-size",
+                           "2", "--hf-checkpoint", str(dense), "--use-rollout-routing-replay"], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    lines = [line for line in proc.stderr.splitlines() if "--use-rollout-routing-replay" in line]
+    assert len(lines) == 1, proc.stderr[-2000:]
+    assert "is a dense model (model_type 'qwen3', no routed experts" in lines[0]
+    assert not (tmp_path / "runs").exists()  # stopped before the run folder, Ray, or a model
+
