@@ -4,7 +4,8 @@ check in fresh spawned processes (``megatron_checks.py``; the shim and Megatron'
 - TP = 1, for tiny Qwen2 and Llama: packed logits and log-probs (temperature 0.7) equal HF's and the fsdp
   backend's within 1e-5 (fp32); HF -> Megatron -> HF export is exact; one real GRPO step (KL loss, entropy bonus,
   three packed micro-batches) gives fsdp's loss and gradient norm; a torch_dist checkpoint resumes to the bit.
-  Also Qwen3, tied-embedding Qwen2, Llama with llama3 RoPE scaling and GLM-4.5 MoE: logits and export; and
+  Also Qwen3, tied-embedding Qwen2, Llama with llama3 RoPE scaling, GLM-4.5 MoE and the GLM-4.6 kind (q/k norms,
+  routed scaling, group-limited routing): logits and export; and
   ``--bf16`` on both backends (bf16 weights with fp32 main params against fsdp's autocast): within bf16 rounding.
 - Two gloo ranks: TP = 2, DP = 2 with the distributed optimizer, and PP = 2 with full activation recompute
   agree with fsdp on one process; a
@@ -50,7 +51,7 @@ def tiny_llama(tmp_path_factory):
 # Checked in the Llama test's process: Megatron logits against HF's and the exported weights. 2e-6 because the
 # llama3 RoPE check must be sharp: without scaling the logits differ by 1.6e-5, with mbridge's linear
 # interpolation by 5e-3 (measured when this test was written).
-MORE_ARCHITECTURES = ("qwen3", "qwen2-tied", "llama3-rope", "glm4.5-moe")
+MORE_ARCHITECTURES = ("qwen3", "qwen2-tied", "llama3-rope", "glm4.5-moe", "glm4.6-moe")
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

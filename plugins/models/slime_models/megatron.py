@@ -25,9 +25,15 @@ What this adds to mbridge (as a subclass of its bridge per model), and why:
   multi-token-prediction layers are not built (not trained in RL).
 - MoE: no auxiliary load-balancing loss (``moe_router_load_balancing_type="none"``), the RL loss alone, as mbridge
   already sets for Qwen-MoE and DeepSeek; expert-bias updates stay as mbridge sets them.
+- Group-limited routing (HF ``n_group`` / ``topk_group``: DeepSeek V3 / R1, any GLM-4.5-kind config with groups):
+  mbridge 0.15.1 passes neither to megatron-core for GLM-4.5 or DeepSeek V3, so every expert stayed eligible and
+  tokens went to experts HF never picks (a tiny GLM-4.6-kind config with 2 groups, 1 kept: logits 0.056 off HF's).
+  Here they are ``moe_router_num_groups`` / ``moe_router_group_topk``. HF ranks a group by the sum of its top-2
+  scores, megatron-core by its top-(topk / group_topk): a config where those differ is refused.
 
 Verified on CPU in fp32 against HF (logits within 1e-6, export exact): Qwen2 (tied and untied), Qwen3, Qwen3-MoE (both
-router variants, EP = 2), Llama (with llama3 RoPE scaling), GLM-4.5 MoE. DeepSeek V3 builds only with Transformer
+router variants, EP = 2), Llama (with llama3 RoPE scaling), GLM-4.5 MoE, and the GLM-4.5-355B / 4.6 / 4.7 kind (q/k
+norms, routed scaling 2.5, group-limited routing). DeepSeek V3 builds only with Transformer
 Engine (megatron-core 0.16.1's local MLA spec is broken) and has not been run. GLM-4 dense (``Glm4ForCausalLM``: extra
 post-attention / post-MLP norms) has no mapping in mbridge 0.15.1 and raises a clear error.
 """
@@ -159,6 +165,21 @@ def _local_spec_members(base: type, architecture: str) -> dict[str, Any]:
     return members
 
 
+def _group_routing(shape: Any) -> dict:
+    """megatron-core's group-limited routing for the shape's ``moe_router_num_groups`` / ``moe_router_group_topk``
+    (HF ``n_group`` / ``topk_group``); nothing with one group, where every expert is eligible anyway."""
+    groups, keep = getattr(shape, "moe_router_num_groups", None) or 1, getattr(shape, "moe_router_group_topk", None)
+    if groups <= 1:
+        return {}
+    if shape.moe_router_topk != 2 * keep:
+        raise NotImplementedError(
+            f"{shape.architecture}: group-limited routing with {shape.moe_router_topk} experts per token from "
+            f"{keep} of {groups} groups: HF ranks a group by the sum of its top-2 expert scores, megatron-core by its "
+            f"top-{shape.moe_router_topk // keep}, so they would route differently; train it with --train-backend "
+            "fsdp")
+    return {"moe_router_num_groups": groups, "moe_router_group_topk": keep}
+
+
 def has_transformer_engine() -> bool:
     """TE's layers need CUDA; without either, the local (pure megatron-core) spec is used."""
     return torch.cuda.is_available() and importlib.util.find_spec("transformer_engine") is not None
@@ -212,6 +233,7 @@ class MegatronModel:
             extra["moe_router_load_balancing_type"] = "none"
         if architecture == "Qwen3MoeForCausalLM":
             extra["moe_router_pre_softmax"] = not bool(getattr(hf, "norm_topk_prob", False))
+        extra.update(_group_routing(shape))
         if architecture == "DeepseekV3ForCausalLM":  # the multi-token-prediction layers are not trained
             extra["mtp_num_layers"] = None
         if not self.uses_transformer_engine:  # no TE/Apex kernels: torch norms, softmax and per-expert MLPs

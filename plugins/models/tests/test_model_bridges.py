@@ -195,6 +195,20 @@ def test_rope_scaling_is_mapped_or_refused():
         _rope_args("Qwen3ForCausalLM", {"rope_type": "yarn", "factor": 4.0})
 
 
+def test_group_limited_routing_reaches_megatron_or_is_refused():
+    """HF's n_group / topk_group (mbridge passes neither): megatron-core's group-limited routing where both rank a
+    group alike (by its top-2 scores: DeepSeek V3 keeps 4 of 8 groups for 8 experts), refused where they do not."""
+    import dataclasses
+
+    from slime_models.megatron import _group_routing
+
+    deepseek = PRESETS["deepseek-v3"]
+    assert _group_routing(deepseek) == {"moe_router_num_groups": 8, "moe_router_group_topk": 4}
+    assert _group_routing(PRESETS["glm4.6-355B-A32B"]) == {} == _group_routing(PRESETS["qwen3-4B"])  # one group
+    with pytest.raises(NotImplementedError, match="sum of its top-2 expert scores, megatron-core by its top-3"):
+        _group_routing(dataclasses.replace(deepseek, moe_router_topk=6, moe_router_group_topk=2))
+
+
 # -- slime's model files (scripts/models/*.sh of THUDM/slime, kept in tests/slime_format) against checkpoints -------
 
 SLIME_MODEL_FILES = Path(__file__).resolve().parents[3] / "tests" / "slime_format" / "scripts" / "models"

@@ -1,10 +1,10 @@
 """The presets added on existing bridges (GLM-4.5-355B / 4.6 / 4.7, GLM-Z1, Kimi K2, Moonlight), each on a tiny random
 config of its own kind: the bridge reads the settings that set it apart (q/k norms, routed scaling, group-limited
 routing, YaRN, no q LoRA, two shared experts) and transformers' own model class for the architecture builds and runs
-it, and the fsdp backend trains it one GRPO step. GLM-4.6's tiny config is ``tiny_hf_configs()["glm4.6-moe"]`` in tests/megatron; through Megatron
-(``megatron_checks.other_architectures``) its export is exact but its logits differ from HF's by 0.056, so it is not
-among the checked architectures yet; the DeepSeek-V3 family (Kimi K2, Moonlight) builds in Megatron only with
-Transformer Engine and CUDA (slime_models.megatron)."""
+it, and the fsdp backend trains it one GRPO step. GLM-4.6's tiny config is ``tiny_hf_configs()["glm4.6-moe"]`` in
+tests/megatron, where the Megatron build is checked against HF too (logits, export: ``MORE_ARCHITECTURES`` of
+test_megatron_backend.py); the DeepSeek-V3 family (Kimi K2, Moonlight) builds in Megatron only with Transformer
+Engine and CUDA (slime_models.megatron)."""
 
 from __future__ import annotations
 
