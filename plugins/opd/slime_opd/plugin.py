@@ -234,6 +234,15 @@ def slime_generate(config, sample, sampling_params, client, evaluation):
 @hookimpl
 def slime_log_rollout(config, rollout_id, samples, metrics):
     metrics["rollout/opd_teacher_failures"] = float(sum("opd_error" in s.metadata for s in samples))
+    per_teacher: dict[str, list[float]] = {}  # the sampled-token reverse KL at generation, on each teacher's samples
+    for s in samples:
+        teacher = s.train_columns.get("teacher_log_probs")
+        if teacher and s.rollout_log_probs and "opd_error" not in s.metadata and _teachers:
+            name = route(_teachers, s.metadata, config.plugin(NAME).opd_teacher_key)  # as score_sample routed it
+            rkl = [a - b for a, b in zip(s.rollout_log_probs[-len(teacher):], teacher)]
+            per_teacher.setdefault(name, []).append(sum(rkl) / len(rkl))
+    for name, values in per_teacher.items():
+        metrics[f"rollout/opd_reverse_kl/{name}"] = sum(values) / len(values)
 
 
 @hookimpl(wrapper=True)
