@@ -95,9 +95,6 @@ def check_config(config) -> None:
         raise ConfigError(f"{FLAG}: --hf-checkpoint {config.hf_checkpoint} is a dense model (model_type "
                           f"{model_type!r}, no routed experts in its config.json); routing replay applies to "
                           "mixture-of-experts models only: drop the flag")
-    if config.train_backend != "fsdp":
-        raise ConfigError(f"{FLAG} is built for --train-backend fsdp only (the megatron backend does not replay "
-                          "routing yet): use --train-backend fsdp or drop the flag")
     if model_type not in REPLAYABLE_MODEL_TYPES:
         raise ConfigError(f"{FLAG}: the trainer cannot replay the router of model_type {model_type!r} "
                           f"(--hf-checkpoint {config.hf_checkpoint}); it can for {', '.join(REPLAYABLE_MODEL_TYPES)}")

@@ -222,6 +222,11 @@ def test_bad_combinations_stop_before_ray(tmp_path, moe_checkpoint):
                                                       '"num_experts_per_tok": 2, "num_hidden_layers": 2}')
     with pytest.raises(ConfigError, match="cannot replay the router of model_type 'mixtral'"):
         check_config(Config.make(hf_checkpoint=str(tmp_path / "mixtral"), use_rollout_routing_replay=True))
+    from slimecore.trainers.megatron import MegatronSetupError, check_config as check_megatron
+
+    with pytest.raises(MegatronSetupError, match="--use-rollout-routing-replay with --pipeline-model-parallel-size"):
+        check_megatron(Config.make(hf_checkpoint=moe_checkpoint, train_backend="megatron",
+                                   use_rollout_routing_replay=True, pipeline_model_parallel_size=2), world_size=2)
     proc = subprocess.run([sys.executable, "-m", "slimecore_cli", "train", "--plugin", "grpo", "--rollout-batch-size",
                            "2", "--hf-checkpoint", str(dense), "--use-rollout-routing-replay"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
@@ -231,3 +236,74 @@ def test_bad_combinations_stop_before_ray(tmp_path, moe_checkpoint):
     assert "is a dense model (model_type 'qwen3', no routed experts" in lines[0]
     assert not (tmp_path / "runs").exists()  # stopped before the run folder, Ray, or a model
 
+
+def _megatron_routing(rank: int, world: int, checkpoint: str, part: dict) -> dict:
+    """One rank under megatron-core's CPU shim: the experts every TopKRouter call chose (its routing map), in the
+    old-policy pass and in a training step."""
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent / "megatron"))
+    import cpu_shim
+
+    cpu_shim.install()
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from slimecore.trainers.trainer import Trainer
+
+    hooks = load_plugins(["grpo", "models"])
+    grpo = {o.name: o.default for o in hooks.slime_options()["grpo"]}
+    config = Config.make(plugins=["grpo", "models"], plugin_values={"grpo": grpo}, hf_checkpoint=checkpoint,
+                         train_backend="megatron", rollout_batch_size=8, global_batch_size=8, micro_batch_size=3,
+                         use_rollout_routing_replay=True)
+    trainer = Trainer(config, hooks, rank=rank, world_size=world, backend="megatron")
+    calls: dict[int, list] = {}  # layer -> (with gradient?, the experts chosen per row) of every router call
+
+    def keep(module, args, out, layer):
+        chosen = np.sort(out[1].nonzero()[:, 1].view(-1, module.topk).numpy(), -1)
+        calls.setdefault(layer, []).append((torch.is_grad_enabled(), chosen))
+
+    for module in trainer.backend.modules.modules():
+        if isinstance(module, TopKRouter):
+            module.register_forward_hook(lambda m, a, out, layer=module.layer_number - 1: keep(m, a, out, layer))
+    trainer.compute_log_probs(part)
+    trainer.train(0, part)
+    return calls
+
+
+def test_megatron_routes_every_token_to_the_rollouts_experts(rollout, moe_checkpoint):
+    """The megatron backend (megatron-core's CPU shim, one rank): megatron-core's own RouterReplay, fed the
+    rollout's experts, makes every router call choose the engine's experts for every real token: the log-prob passes
+    over micro-batches of 3 packed samples and a training step's forwards."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("slime_models")
+    from slimecore.rollout.manager import convert_samples
+    from slimecore.rollout.schedule import split_rollout_data
+    from slimecore.testing import timeout as scaled
+    from slimecore.testing.distributed import run_ranks
+
+    hooks = load_plugins(["grpo"])
+    config = Config.make(plugins=["grpo"], plugin_values={"grpo": {o.name: o.default for o in
+                                                                   hooks.slime_options()["grpo"]}},
+                         hf_checkpoint=moe_checkpoint, rollout_batch_size=8, global_batch_size=8, micro_batch_size=3,
+                         use_rollout_routing_replay=True)
+    [part] = split_rollout_data(config, convert_samples(hooks, config, rollout), 1)
+    [result] = run_ranks(_megatron_routing, moe_checkpoint, part, world=1, timeout=scaled(300))  # ~20 s
+    engine = {sample.index: np.sort(sample.rollout_routed_experts, -1) for sample in rollout}
+    micro_batches = part["steps"][0]["micro_batches"]
+
+    def replays(call: np.ndarray, mb: list[int], layer: int) -> bool:
+        """Whether a router call over micro-batch ``mb``'s packed stream chose the engine's experts."""
+        lengths = [len(part["tokens"][i]) for i in mb]
+        if len(call) != sum(lengths):
+            return False
+        starts = np.cumsum([0] + lengths)
+        return all(np.array_equal(call[a:a + n - 1], engine[part["sample_indices"][i]][:, layer])
+                   for i, a, n in zip(mb, starts, lengths))
+
+    for layer, layer_calls in result.items():
+        scoring = [call for grad, call in layer_calls if not grad]  # log-prob passes, micro-batch by micro-batch
+        training = [call for grad, call in layer_calls if grad]  # the step's forwards
+        assert len(scoring) % len(micro_batches) == 0 and scoring
+        assert all(replays(call, mb, layer) for call, mb in zip(scoring, micro_batches * len(scoring)))
+        assert len(training) == len(micro_batches)
+        assert all(replays(call, mb, layer) for call, mb in zip(training, micro_batches))

@@ -213,8 +213,8 @@ SLIME_FLAGS.update({
                "--log-dir DIR", "--update-weight-disk-dir", "--update-weight-disk-keep-files"),
     **_refused("entropy of the rollout policy is not computed", "--entropy-coef (the policy's entropy in the loss)",
                "--use-rollout-entropy"),
-    **_same("use-rollout-routing-replay", text="R3: the engines return each token's routed experts and the fsdp "
-            "trainer routes to them (slimecore/routing_replay.py)"),
+    **_same("use-rollout-routing-replay", text="R3: the engines return each token's routed experts and the trainer "
+            "(fsdp or megatron) routes to them (slimecore/routing_replay.py)"),
     **_refused("R2 (record the old-policy forward's routing, replay it in training) is not implemented", "--use-rollout-"
                "routing-replay (replays the rollout's routing; slime's R3, which implies R2)", "--use-routing-replay"),
     **_refused("the optimizer is AdamW with state", _DROP, "--use-stateless-adam"),

@@ -59,6 +59,7 @@ import torch.distributed as dist
 
 from slimecore.trainers.megatron_args import megatron_overrides
 from slimecore.ops.linear_logprobs import CHUNK_TOKENS, linear_log_probs_and_entropy
+from slimecore.routers import MegatronRouterReplay
 from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
                                         save_rng, training_device)
 from slimecore.trainers.megatron_model import (CHECKPOINT_META, BridgedModel, MegatronSetupError, check_shape,
@@ -112,6 +113,10 @@ def check_config(config, world_size: int) -> None:
                                  "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
     if c.recompute_granularity == "full" and not c.recompute_method:
         raise MegatronSetupError("--recompute-granularity full needs --recompute-method uniform|block")
+    if c.use_rollout_routing_replay and c.pipeline_model_parallel_size > 1:
+        raise MegatronSetupError("--use-rollout-routing-replay with --pipeline-model-parallel-size > 1 is not "
+                                 "supported (a stage's routers would hold a later micro-batch's experts during an "
+                                 "earlier one's recompute); use pipeline size 1 or --train-backend fsdp")
 
 
 def check_startup(config, hooks):
@@ -145,6 +150,7 @@ class Packed:
     rows: torch.Tensor  # (N,) stream rows whose logits score the response tokens
     targets: torch.Tensor  # (N,) those tokens
     response_lengths: list[int]
+    routed_experts: torch.Tensor | None = None  # --use-rollout-routing-replay: (T, MoE layers, topk) to replay
 
 
 def pack(tokens: list[list[int]], response_lengths: list[int], packing: str, multiple: int,
@@ -263,6 +269,8 @@ class MegatronBackend:
         # response rows per chunk of the fused output layer (0: the model's own; see the module docstring)
         mtp = getattr(model_config, "mtp_num_layers", None)
         self.head_chunk = CHUNK_TOKENS if self.device.type == "cuda" and not config.sequence_parallel and not mtp else 0
+        # --use-rollout-routing-replay: the MoE routers take the rollout's experts (megatron-core's RouterReplay)
+        self.router_replay = MegatronRouterReplay(self.chunks, config) if config.use_rollout_routing_replay else None
 
     def _load_reference_checkpoint(self, hooks, path: Path) -> None:
         """``--ref-load``: a torch_dist checkpoint of this model (``megatron_checkpoint.json``: a megatron save's
@@ -319,6 +327,13 @@ class MegatronBackend:
 
         items = [(self._pack([batch["tokens"][i] for i in mb], [batch["response_lengths"][i] for i in mb]), mb)
                  for mb in micro_batches]
+        if self.router_replay is not None:
+            if batch.get("rollout_routed_experts") is None:
+                raise ValueError("--use-rollout-routing-replay: the batch has no rollout_routed_experts column")
+            for packed, mb in items:
+                packed.routed_experts = self.router_replay.indices(
+                    [batch["rollout_routed_experts"][i] for i in mb], [len(batch["tokens"][i]) for i in mb],
+                    packed.input_ids.shape[1])
         self.modules.train(train)
         if train:
             for chunk in self.chunks:
@@ -340,6 +355,8 @@ class MegatronBackend:
             last_stage = gpt.post_process
             hidden_out = last_stage and bool(self.head_chunk)  # the last stage returns hidden states, not logits
             gpt.post_process = last_stage and not hidden_out
+            if self.router_replay is not None:
+                self.router_replay.set(packed.routed_experts)
             try:
                 output = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
                                attention_mask=packed.attention_mask, packed_seq_params=packed.packed_seq_params)
@@ -363,11 +380,15 @@ class MegatronBackend:
                                    group=parallel_state.get_pipeline_model_parallel_group())
         return box[0]
 
+    @contextlib.contextmanager
     def reference_weights(self):
-        """The initial weights swapped in for one forward, the current ones restored after."""
+        """The initial weights swapped in for one forward, the current ones restored after; the reference's MoE
+        routers choose their own experts (no routing replay), as slime's reference does."""
         if self._reference is None:
             raise missing_reference()
-        return self._reference.swapped_in(self.modules.named_parameters)
+        with self.router_replay.own_choice() if self.router_replay else contextlib.nullcontext():
+            with self._reference.swapped_in(self.modules.named_parameters):
+                yield
 
     # -- the optimizer -------------------------------------------------------------------------------
     def optimizer_step(self) -> tuple[float, float]:

@@ -97,6 +97,8 @@ def transformer_overrides(config) -> dict:
     if config.recompute_granularity:
         overrides.update(recompute_granularity=config.recompute_granularity,
                          recompute_method=config.recompute_method, recompute_num_layers=config.recompute_num_layers)
+    if config.use_rollout_routing_replay:  # megatron-core's RouterReplay in every router (slimecore.routers)
+        overrides["moe_enable_routing_replay"] = True
     return {**megatron_overrides(config, "transformer"), **overrides}
 
 
