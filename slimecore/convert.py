@@ -44,7 +44,7 @@ CONVERTER_FLAGS = {"--allgather-cp": None,
 # Switches that change which weights a Megatron model has, with Megatron's value when the flag is absent: slime's
 # converter builds the model from MODEL_ARGS, so a file that leaves one out converts into another model. Once the
 # MODEL_ARGS give any flag, an absent one counts as this value and is checked like a given one.
-WEIGHT_SWITCHES = {"add_qkv_bias": False, "qk_layernorm": False, "untie_embeddings_and_output_weights": False,
+WEIGHT_SWITCHES: dict[str, bool] = {"add_qkv_bias": False, "qk_layernorm": False, "untie_embeddings_and_output_weights": False,
                    "swiglu": False, "group_query_attention": False, "multi_latent_attention": False,
                    "add_bias_linear": True, "moe_router_enable_expert_bias": False,
                    "post_self_attn_layernorm": False, "post_mlp_layernorm": False}
@@ -96,19 +96,21 @@ def parse_model_args(args: Iterable[str]) -> dict[str, Any]:
 def model_args_differences(values: dict[str, Any], hf_config, shape: Any) -> list[str]:
     """``--flag: MODEL_ARGS X, config.json Y`` for every parsed ``MODEL_ARGS`` value that the bridge's
     ``megatron_values()`` (or config.json) states otherwise; an absent weight switch (``WEIGHT_SWITCHES``)
-    counts as Megatron's default once any flag is given. Settings that do not describe the model
-    (``--moe-token-dispatcher-type``, ``--attention-backend`` ...) are accepted and not compared: the model is
-    the bridge's."""
+    counts as Megatron's default once any flag describing the model is given (a switch reads under its own name:
+    ``--add-bias-linear: MODEL_ARGS True`` for a missing ``--disable-bias-linear``). Megatron settings (the layer
+    split over pipeline stages, ``--moe-token-dispatcher-type`` ...) are not compared: they reach the model build
+    (``_parallel_config``), as in ``train``."""
     from slimecore.trainers.megatron_args import agrees, checkpoint_value, flag_for
 
     stated = shape.megatron_values() if callable(getattr(shape, "megatron_values", None)) else {}
-    if values:
+    if values.keys() & stated.keys():
         values = {**{dest: default for dest, default in WEIGHT_SWITCHES.items() if dest in stated}, **values}
     out = []
     for name, value in values.items():
         found = checkpoint_value(name, stated, hf_config, shape)
         if found is not None and not agrees(name, value, found[0]):
-            out.append(f"{flag_for(name)}: MODEL_ARGS {_shown(value)}, config.json {_shown(found[0])}")
+            flag = "--" + name.replace("_", "-") if isinstance(value, bool) else flag_for(name)
+            out.append(f"{flag}: MODEL_ARGS {_shown(value)}, config.json {_shown(found[0])}")
     return out
 
 
@@ -200,9 +202,12 @@ def _bridge(hooks, config, hf_config, where: Path):
         raise ConvertError(f"{where}: {exc}") from None
 
 
-def _parallel_config(hf_dir: Path, tp: int, pp: int, ep: int) -> Config:
-    return Config.make(hf_checkpoint=str(hf_dir), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                       expert_model_parallel_size=ep)
+def _parallel_config(hf_dir: Path, tp: int, pp: int, ep: int, megatron_args: dict | None = None) -> Config:
+    """The conversion's config: the parallel sizes, and the ``MODEL_ARGS`` that are Megatron settings (layer split
+    over pipeline stages, ``--expert-tensor-parallel-size`` ...), which reach the model build as in ``train``."""
+    config = Config.make(hf_checkpoint=str(hf_dir), tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                         expert_model_parallel_size=ep)
+    return Config.from_dict({**config.to_dict(), "megatron_args": dict(megatron_args or {})})
 
 
 def _world() -> tuple[int, int]:
@@ -225,7 +230,7 @@ def check_hf_to_megatron(hf_dir: str | Path, hooks, preset: str | None = None, m
     hf_dir = Path(hf_dir)
     values = parse_model_args(model_args)  # first: a mistyped flag is named before any model code loads
     hf_config = _load_hf_config(hf_dir)
-    config = _parallel_config(hf_dir, tp, pp, ep)
+    config = _parallel_config(hf_dir, tp, pp, ep, values)
     shape = _bridge(hooks, config, hf_config, hf_dir)
     problems: list[str] = []
     if preset is not None:

@@ -368,16 +368,25 @@ def _hint_kind(hint) -> tuple[str, str | None, tuple | None]:
     return "none", None, None
 
 
-def _megatron_lm_parser(source: str) -> tuple[list[str], list[tuple[str, dict]]]:
-    """From Megatron-LM's ``arguments.py``: the TransformerConfig fields its parser leaves out (``exclude``), and
-    ``(function, add_argument keywords + flags)`` for every literal ``add_argument`` call."""
+def _megatron_lm_parser(source: str) -> tuple[list[str], list[tuple[str, dict]], dict[str, str]]:
+    """From Megatron-LM's ``arguments.py``: the TransformerConfig fields its parser leaves out (``exclude``),
+    ``(function, add_argument keywords + flags)`` for every literal ``add_argument`` call, and the renames of
+    ``core_transformer_config_from_args`` (``kw_args['num_layers_in_first_pipeline_stage'] =
+    args.decoder_first_pipeline_num_layers``: namespace dest -> config field)."""
     import ast
 
     tree = ast.parse(source)
     exclude: list[str] = []
     calls: list[tuple[str, dict]] = []
+    renames: dict[str, str] = {}
     for function in (node for node in tree.body if isinstance(node, ast.FunctionDef)):
         for node in ast.walk(function):
+            if (function.name == "core_transformer_config_from_args" and isinstance(node, ast.Assign)
+                    and isinstance(node.targets[0], ast.Subscript) and getattr(node.targets[0].value, "id", "") ==
+                    "kw_args" and isinstance(node.targets[0].slice, ast.Constant) and isinstance(node.value,
+                    ast.Attribute) and getattr(node.value.value, "id", "") == "args"
+                    and node.value.attr != node.targets[0].slice.value):
+                renames[node.value.attr] = node.targets[0].slice.value
             if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "exclude" for t in node.targets)
                     and function.name == "_add_network_size_args"):
                 exclude = ast.literal_eval(node.value)
@@ -396,7 +405,7 @@ def _megatron_lm_parser(source: str) -> tuple[list[str], list[tuple[str, dict]]]
                         keywords[keyword.arg] = None
             if flags:
                 calls.append((function.name, {"flags": flags, **keywords}))
-    return exclude, calls
+    return exclude, calls, renames
 
 
 def generate_flag_table(arguments_source: str) -> dict[str, tuple]:
@@ -423,7 +432,7 @@ def generate_flag_table(arguments_source: str) -> dict[str, tuple]:
             table["--no-" + flag[2:]] = (name, kind, None, None, False, target)
         else:
             table[flag] = (name, kind, nargs, choices, None, target)
-    exclude, calls = _megatron_lm_parser(arguments_source)
+    exclude, calls, renames = _megatron_lm_parser(arguments_source)
     transformer = classes["transformer"]
     for field in dataclasses.fields(transformer):  # ArgumentGroupFactory(TransformerConfig, exclude=...)
         if field.name in exclude or not field.init or field.name.startswith("_"):
@@ -446,6 +455,8 @@ def generate_flag_table(arguments_source: str) -> dict[str, tuple]:
     for function, call in calls:
         flags = [f for f in call["flags"] if f.startswith("--")]
         dest = call.get("dest") or flags[0][2:].replace("-", "_")
+        if function not in _MODEL_GROUPS and dest not in owner and renames.get(dest) in owner:
+            dest = renames[dest]  # a flag Megatron-LM hands to a config field of another name, and only there
         if function not in _MODEL_GROUPS and dest not in owner and not set(flags) & set(_NAMED_FLAGS):
             continue
         action = call.get("action")

@@ -519,3 +519,24 @@ def segment_attention_vs_mask(rank: int, world: int) -> dict:
     got = core(q[:, 0], k[:, 0], v[:, 0], None, packed_seq_params=packed.packed_seq_params)
     return {"swapped": swapped and type(core).__name__ == "SegmentAttention",
             "max_diff": float((got.reshape(want.shape) - want).abs().max())}
+
+
+def convert_split_over_stages(rank: int, world: int, hf_dir: str, save: str, model_args: list[str]) -> list[int]:
+    """``slime-core convert hf-to-megatron`` on ``world`` pipeline stages with ``model_args`` (which may split the
+    layers unevenly); returns the global numbers of the decoder layers this rank built."""
+    _setup()
+    import megatron.core.transformer.transformer_block as block
+
+    from slimecore.convert import hf_to_megatron
+    from slimecore.plugins import load_plugins
+
+    built: list[int] = []
+    original = block.TransformerBlock._build_layers
+
+    def record(self):
+        original(self)
+        built.extend(layer.layer_number for layer in self.layers)
+
+    block.TransformerBlock._build_layers = record
+    hf_to_megatron(hf_dir, save, load_plugins(["models"]), model_args=model_args, pp=world)
+    return built

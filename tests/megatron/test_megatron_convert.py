@@ -60,6 +60,30 @@ def test_round_trip_through_the_command_is_exact(tiny_checkpoint, tmp_path):
         assert (tmp_path / "hf" / name).read_bytes() == (tiny_checkpoint / name).read_bytes()
 
 
+def test_layer_split_of_slimes_convert_commands_reaches_the_build(tmp_path):
+    """slime's DeepSeek-R1 conversion passes --decoder-first/last-pipeline-num-layers (61 layers on 8 stages): they
+    reach the model build as in train (Megatron-LM's names for num_layers_in_first/last_pipeline_stage). Three
+    layers on two stages, which no even split gives, convert and come back exact."""
+    import torch
+    from safetensors.torch import load_file
+
+    from slimecore.testing.distributed import run_ranks
+    from slimecore.testing.tiny import make_tiny_checkpoint
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import megatron_checks
+
+    hf = make_tiny_checkpoint(tmp_path / "hf", layers=3)
+    args = ["--decoder-first-pipeline-num-layers", "2", "--decoder-last-pipeline-num-layers", "1"]
+    layers = run_ranks(megatron_checks.convert_split_over_stages, str(hf), str(tmp_path / "mcore"), args, world=2,
+                       timeout=scaled(300))
+    assert layers == [[1, 2], [3]]
+    _convert("megatron-to-hf", "--load", str(tmp_path / "mcore"), "--hf-checkpoint", str(hf), "--output",
+             str(tmp_path / "back"))
+    original, back = load_file(str(hf / "model.safetensors")), load_file(str(tmp_path / "back" / "model.safetensors"))
+    assert set(back) == set(original) and all(torch.equal(back[k], original[k]) for k in original)
+
+
 def test_model_args_that_disagree_with_config_json_are_listed(tiny_checkpoint, tmp_path):
     wrong = [a if a != "64" else "96" for a in TINY_MODEL_ARGS]  # --hidden-size 96
     wrong.remove("--add-qkv-bias")
