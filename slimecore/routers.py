@@ -1,9 +1,9 @@
-"""The MoE routers of HF models, recorded by the embedded engine and replayed by the fsdp trainer, and the
-megatron backend's routers replayed through megatron-core's own ``RouterReplay`` (rollout routing replay:
-``slimecore.routing_replay`` says what and why).
+"""The MoE routers of HF models, replayed by the fsdp trainer (and found by the embedded engine's recorder,
+``slimecore.engines.routed_experts``), and the megatron backend's routers replayed through megatron-core's own
+``RouterReplay`` (rollout routing replay: ``slimecore.routing_replay`` says what and why).
 
 transformers' MoE routers (``ROUTERS``) all return ``(router_logits, topk_weights, topk_indices)`` for the
-tokens flattened to rows ``(N, hidden)``: the engine reads ``topk_indices`` (:class:`ExpertRecorder`); the
+tokens flattened to rows ``(N, hidden)``: the engine reads ``topk_indices``; the
 trainer swaps the router's forward for one that takes the indices given instead of its top-k and weights them
 exactly as the model's own forward weights its own choice (:class:`RouterReplay`), so that replaying the
 router's own choice changes nothing, bit for bit.
@@ -38,57 +38,6 @@ def find_routers(model: torch.nn.Module) -> list[tuple[int, torch.nn.Module]]:
                 raise ValueError(f"MoE router {name!r} ({type(module).__name__}) is not under a layers.<i> module")
             found.append((int(match.group(1)), module))
     return sorted(found, key=lambda pair: pair[0])
-
-
-class ExpertRecorder:
-    """The embedded engine's record of the experts each token was routed to (SGLang's
-    ``--enable-return-routed-experts``). A forward hook on every router keeps its last top-k; after each model
-    forward the engine calls :meth:`keep` with the requests of the forward's rows, and each request that asked
-    (``Request.routed_experts`` a ``slimecore.routing_replay.RoutedRows``) gets the rows of its real (unpadded)
-    tokens. Forwards: a prefill (``mask`` its (B, T) attention mask over the new tokens; B may be 1 for a prefix
-    shared by all the requests), a decode step (``mask`` None: one new token per row)."""
-
-    def __init__(self, model: torch.nn.Module):
-        self.routers = find_routers(model)
-        if not self.routers:
-            raise ValueError(f"return_routed_experts: {type(model).__name__} has no MoE router of "
-                             f"{', '.join(ROUTERS)}")
-        self.layers = model.config.num_hidden_layers
-        self.topk = self.routers[0][1].top_k
-        self._last: dict[int, torch.Tensor] = {}
-        for layer, router in self.routers:
-            router.register_forward_hook(self._hook(layer))
-
-    def _hook(self, layer: int):
-        def keep_indices(module, args, output) -> None:
-            self._last[layer] = output[2]
-
-        return keep_indices
-
-    def keep(self, reqs: Sequence, mask: torch.Tensor | None = None) -> None:
-        last, self._last = self._last, {}
-        asking = [i for i, r in enumerate(reqs) if r.routed_experts is not None]
-        if not asking:
-            return
-        rows, width = (len(reqs), 1) if mask is None else mask.shape
-        # dense layers route nothing: zeros, as SGLang's buffer holds for them
-        routed = torch.zeros(rows * width, self.layers, self.topk, dtype=torch.int32)
-        for layer, indices in last.items():
-            routed[:, layer] = indices.reshape(rows * width, self.topk)
-        routed = routed.view(rows, width, self.layers, self.topk)
-        for i in asking:
-            row = routed[i if rows > 1 else 0]
-            real = row if mask is None else row[mask[i if rows > 1 else 0].bool()]
-            reqs[i].routed_experts.rows.append(real.numpy())
-
-    @staticmethod
-    def share(reqs: Sequence, rows: Sequence[int]) -> None:
-        """Identical prompts prefilled once: request i gets the prompt routing of the first request of its row
-        ``rows[i]``."""
-        for req, row in zip(reqs, rows):
-            first = reqs[rows.index(row)]
-            if req is not first and req.routed_experts is not None and first.routed_experts is not None:
-                req.routed_experts.rows[:] = first.routed_experts.rows
 
 
 def _replayed(router: torch.nn.Module, kind: str, hidden_states: torch.Tensor, indices: torch.Tensor):

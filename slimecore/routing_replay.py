@@ -23,9 +23,8 @@ layers x top-8 is 25 MB, where nested Python lists would take over 20 times as m
 ``rollout_routed_experts``, which ``slimecore.rollout.schedule.split_for_ranks`` slices like every per-sample
 column, so each data-parallel rank receives its own samples' routing only (the host OOM of THUDM/slime#2384).
 
-This module imports no torch: the flag's checks before Ray, the wire format, the sample's routing, and an engine
-request's (``RoutedRows``). The routers the trainers replay and the embedded engine's recorder are
-``slimecore.routers``.
+This module imports no torch: the flag's checks before Ray, the wire format and the sample's routing. The routers
+the trainers replay are ``slimecore.routers``; the embedded engine's record is ``slimecore.engines.routed_experts``.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ from __future__ import annotations
 import base64
 import binascii
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
@@ -150,34 +149,3 @@ def check_samples(samples) -> None:
             raise RoutingError(f"{FLAG}: sample {sample.index} has routing for {len(experts)} positions but "
                                f"{len(sample.tokens)} tokens (needs tokens - 1: were tokens appended after the last "
                                "/generate?)")
-
-
-@dataclass
-class RoutedRows:
-    """What one engine request that asked for its routing (``return_routed_experts``) has run so far: ``rows``,
-    one ``(tokens, layers, topk)`` int32 array per forward, in token order; ``start`` is SGLang's
-    ``routed_experts_start_len``, the first position the answer covers."""
-
-    start: int = 0
-    rows: list[np.ndarray] = field(default_factory=list)
-
-    def encoded(self, seqlen: int) -> str | None:
-        """SGLang's ``meta_info.routed_experts`` for positions ``[start, seqlen - 1)``: a request's last token never
-        runs through the model. None when nothing ran (a request aborted while it waited)."""
-        if not self.rows:
-            return None
-        return encode(np.concatenate(self.rows)[self.start:seqlen - 1])
-
-
-def asked(body: dict, prompt_len: int) -> RoutedRows | None:
-    """The routing a ``/generate`` body asks for (``return_routed_experts``, ``routed_experts_start_len``), checked
-    as SGLang checks it; None when it does not ask."""
-    if not body.get("return_routed_experts"):
-        return None
-    start = body.get("routed_experts_start_len") or 0
-    if not isinstance(start, int) or not 0 <= start <= prompt_len:
-        from slimecore.engines.http import BadRequest
-
-        raise BadRequest(f"routed_experts_start_len={start!r} must be an integer in [0, {prompt_len}] (the number of "
-                         "input tokens)")
-    return RoutedRows(start)

@@ -80,17 +80,29 @@ def moe_checkpoint(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def rollout(moe_checkpoint):
-    """Eight samples from the real embedded engine in bf16 (the trainer is fp32, so a few routings differ) recording
-    its routing, through the rollout client as a run's generate hook uses it."""
+def engine(moe_checkpoint):
+    """The real embedded engine serving the tiny MoE in bf16 (the trainer is fp32, so a few routings differ),
+    recording each token's experts."""
     from slimecore.engines.embedded import EmbeddedServer
+
+    server = EmbeddedServer(moe_checkpoint, dtype="bfloat16", return_routed_experts=True)
+    server.start()
+    try:
+        assert server.server_info()["enable_return_routed_experts"]
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def rollout(engine, moe_checkpoint):
+    """Eight samples from the engine with their routing, through the rollout client as a run's generate hook uses
+    it."""
     from slimecore.rollout.client import RolloutClient, SharedRequests
     from slimecore.routing_replay import checkpoint_shape
     from slimecore.types import Sample
 
-    server = EmbeddedServer(moe_checkpoint, dtype="bfloat16", return_routed_experts=True)
-    server.start()
-    client = RolloutClient(server.url)
+    client = RolloutClient(engine.url)
     client.routed_experts = checkpoint_shape(moe_checkpoint)
     rng = random.Random(0)
 
@@ -111,11 +123,7 @@ def rollout(moe_checkpoint):
         await client.close()
         return samples
 
-    try:
-        assert server.server_info()["enable_return_routed_experts"]
-        yield asyncio.run(generate())
-    finally:
-        server.stop()
+    return asyncio.run(generate())
 
 
 def _trainer_data(checkpoint: str, samples, replay: bool, use_kl_loss: bool = False, **core):
@@ -140,6 +148,30 @@ def _trainer_data(checkpoint: str, samples, replay: bool, use_kl_loss: bool = Fa
 def _rows_of(call: torch.Tensor, tokens: list[list[int]], width: int) -> list[np.ndarray]:
     """Each sequence's rows of one router call over sequences right-padded to ``width``, its last token left out."""
     return [call.view(len(tokens), width, -1)[i, :len(t) - 1].numpy() for i, t in enumerate(tokens)]
+
+
+def test_slimes_own_generate_keeps_the_routing(engine, moe_checkpoint, monkeypatch):
+    """slime's default generate (the adapter's port, which slime users' custom generate functions call) asks for
+    and keeps the routing with the flag, as slime's does."""
+    from slimecore.defaults.slime_compat import SHIM_ROOT, _build_args
+    from slimecore.routing_replay import check_samples
+    from slimecore.types import Sample
+
+    monkeypatch.syspath_prepend(SHIM_ROOT)
+    before = set(sys.modules)
+    try:
+        from slime.rollout.sglang_rollout import generate
+
+        args = _build_args(Config.make(hf_checkpoint=moe_checkpoint, use_rollout_routing_replay=True,
+                                       rollout_batch_size=1))
+        args.sglang_router_ip, args.sglang_router_port = engine.host, engine.port
+        sample = asyncio.run(generate(args, Sample(index=0, tokens=[5, 6, 7, 8, 9]), {"max_new_tokens": 6}))
+    finally:
+        for name in set(sys.modules) - before:  # the shim is importable as `slime` only where the adapter puts it
+            if name == "slime" or name.startswith("slime."):
+                del sys.modules[name]
+    check_samples([sample])
+    assert sample.response_length and sample.rollout_routed_experts.shape == (len(sample.tokens) - 1, 2, 2)
 
 
 def test_engine_routing_is_the_routing_of_each_sample_alone(rollout, moe_checkpoint):

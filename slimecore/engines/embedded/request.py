@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from slimecore.engines.http import BadRequest
-from slimecore.routing_replay import RoutedRows, asked
+from slimecore.engines.routed_experts import RoutedRows, asked
 
 DEFAULT_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "max_new_tokens": 128,
                     "min_new_tokens": 0, "stop": [], "stop_token_ids": [], "stop_regex": [], "ignore_eos": False,

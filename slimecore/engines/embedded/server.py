@@ -24,7 +24,7 @@ from slimecore.engines.embedded.scheduler import Scheduler, _PauseGate
 from slimecore.engines.embedded.weights import Weights, _own_weights
 from slimecore.engines.fastpath import FastDecoder
 from slimecore.engines.http import build_app, run_app
-from slimecore.routers import ExpertRecorder
+from slimecore.engines.routed_experts import ExpertRecorder
 
 log = logging.getLogger("slimecore.engine")
 VERSION = "slimecore-embedded-0.2"

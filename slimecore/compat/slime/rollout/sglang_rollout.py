@@ -50,13 +50,20 @@ async def generate(args, sample: Sample, sampling_params: dict[str, Any]) -> Sam
     if sampling_params["max_new_tokens"] <= 0:
         sample.status = Sample.Status.TRUNCATED
         return sample
-    output = await post(get_model_url(args), {"input_ids": prompt_ids, "sampling_params": sampling_params,
-                                              "return_logprob": True})
+    payload = {"input_ids": prompt_ids, "sampling_params": sampling_params, "return_logprob": True}
+    if args.use_rollout_routing_replay:  # as slime: the engine returns each token's routed experts
+        payload["return_routed_experts"] = True
+    output = await post(get_model_url(args), payload)
     if not sample.tokens:
         sample.tokens = list(prompt_ids)
     entries = output["meta_info"].get("output_token_logprobs") or []
     sample.append_response_tokens(args, tokens=[e[1] for e in entries], log_probs=[e[0] for e in entries],
                                   trainable=True, meta_info=output["meta_info"], text=output["text"])
+    if args.use_rollout_routing_replay:
+        from slimecore.routing_replay import checkpoint_shape, decode
+
+        sample.rollout_routed_experts = decode(output["meta_info"], len(sample.tokens),
+                                               checkpoint_shape(args.hf_checkpoint), sample.rollout_routed_experts)
     return sample
 
 
