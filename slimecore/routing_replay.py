@@ -94,9 +94,24 @@ def check_config(config) -> None:
         raise ConfigError(f"{FLAG}: --hf-checkpoint {config.hf_checkpoint} is a dense model (model_type "
                           f"{model_type!r}, no routed experts in its config.json); routing replay applies to "
                           "mixture-of-experts models only: drop the flag")
+    if config.rollout_engine == "sglang" and config.sglang_router_ip is None and not _router_forwards_raw_body():
+        raise ConfigError(f"{FLAG} with --rollout-engine sglang: the installed sglang-router drops "
+                          "return_routed_experts on its way to the engines (upstream 0.3.2 re-serialises /generate); "
+                          "install slime's router fork (zhuzilin/sgl-router, a version naming slime), which forwards "
+                          "the raw body")
     if model_type not in REPLAYABLE_MODEL_TYPES:
         raise ConfigError(f"{FLAG}: the trainer cannot replay the router of model_type {model_type!r} "
                           f"(--hf-checkpoint {config.hf_checkpoint}); it can for {', '.join(REPLAYABLE_MODEL_TYPES)}")
+
+
+def _router_forwards_raw_body() -> bool:
+    """Whether the installed sglang-router is slime's fork (its version names slime, as slime's install checks)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return "slime" in version("sglang-router")
+    except PackageNotFoundError:  # not installed: starting the router fails with its own message
+        return True
 
 
 def encode(experts: np.ndarray) -> str:

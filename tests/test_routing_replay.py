@@ -96,13 +96,16 @@ def engine(moe_checkpoint):
 
 @pytest.fixture(scope="module")
 def rollout(engine, moe_checkpoint):
-    """Eight samples from the engine with their routing, through the rollout client as a run's generate hook uses
-    it."""
+    """Eight samples from the engine with their routing, through the real sglang-router (which drops
+    return_routed_experts: the recording engine answers every request's routing) and the rollout client, as a run's
+    generate hook gets them."""
+    from slimecore.engines.router import Router
     from slimecore.rollout.client import RolloutClient, SharedRequests
     from slimecore.routing_replay import checkpoint_shape
     from slimecore.types import Sample
 
-    client = RolloutClient(engine.url)
+    router = Router([engine.url]).start()
+    client = RolloutClient(router.url)
     client.routed_experts = checkpoint_shape(moe_checkpoint)
     rng = random.Random(0)
 
@@ -123,7 +126,10 @@ def rollout(engine, moe_checkpoint):
         await client.close()
         return samples
 
-    return asyncio.run(generate())
+    try:
+        return asyncio.run(generate())
+    finally:
+        router.stop()
 
 
 def _trainer_data(checkpoint: str, samples, replay: bool, use_kl_loss: bool = False, **core):
@@ -254,6 +260,9 @@ def test_bad_combinations_stop_before_ray(tmp_path, moe_checkpoint):
                                                       '"num_experts_per_tok": 2, "num_hidden_layers": 2}')
     with pytest.raises(ConfigError, match="cannot replay the router of model_type 'mixtral'"):
         check_config(Config.make(hf_checkpoint=str(tmp_path / "mixtral"), use_rollout_routing_replay=True))
+    with pytest.raises(ConfigError, match="the installed sglang-router drops return_routed_experts"):
+        check_config(Config.make(hf_checkpoint=moe_checkpoint, use_rollout_routing_replay=True,
+                                 rollout_engine="sglang"))  # the upstream router here, not slime's fork
     from slimecore.trainers.megatron import MegatronSetupError, check_config as check_megatron
 
     with pytest.raises(MegatronSetupError, match="--use-rollout-routing-replay with --pipeline-model-parallel-size"):

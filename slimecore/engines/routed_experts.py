@@ -32,11 +32,11 @@ class RoutedRows:
         return encode(np.concatenate(self.rows)[self.start:seqlen - 1])
 
 
-def asked(body: dict, prompt_len: int) -> RoutedRows | None:
-    """The routing a ``/generate`` body asks for (``return_routed_experts``, ``routed_experts_start_len``), checked
-    as SGLang checks it; None when it does not ask."""
-    if not body.get("return_routed_experts"):
-        return None
+def routed_rows(body: dict, prompt_len: int) -> RoutedRows:
+    """The routing record of a ``/generate`` body on an engine that records (``routed_experts_start_len`` checked as
+    SGLang checks it). Every request gets one, ``return_routed_experts`` or not: the upstream sglang-router (0.3.2)
+    drops that field on its way to the worker (slime relies on its router fork, which forwards the raw body), so
+    an engine started to record answers every request's routing."""
     start = body.get("routed_experts_start_len") or 0
     if not isinstance(start, int) or not 0 <= start <= prompt_len:
         raise BadRequest(f"routed_experts_start_len={start!r} must be an integer in [0, {prompt_len}] (the number of "

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from slimecore.engines.http import BadRequest
-from slimecore.engines.routed_experts import RoutedRows, asked
+from slimecore.engines.routed_experts import RoutedRows, routed_rows
 
 DEFAULT_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "top_k": -1, "min_p": 0.0, "max_new_tokens": 128,
                     "min_new_tokens": 0, "stop": [], "stop_token_ids": [], "stop_regex": [], "ignore_eos": False,
@@ -58,7 +58,7 @@ class Request:
     think_end: int | None = None  # the model's end-of-thinking token, when the request set require_reasoning
     created: float = field(default_factory=time.perf_counter)
     on_done: Callable[[], None] | None = None  # called once, on the finishing thread, after ``done`` is set
-    routed_experts: RoutedRows | None = None  # the experts of each token run, when it asked (return_routed_experts)
+    routed_experts: RoutedRows | None = None  # the experts of each token run, on an engine that records them
 
     def finished(self) -> asyncio.Future:
         """A future of the running event loop, resolved when the request finishes: an HTTP handler awaits it
@@ -221,7 +221,7 @@ class RequestForms:
             raise BadRequest("rid must be a string")
         return Request(rid, list(ids), params, bool(body.get("return_logprob")), start, stop_ids,
                        think_end=self.think_end_id if body.get("require_reasoning") else None,
-                       routed_experts=asked(body, len(ids)) if self.routes else None)
+                       routed_experts=routed_rows(body, len(ids)) if self.routes else None)
 
     def response(self, req: Request) -> dict:
         """SGLang's non-streaming /generate response object for one request."""
