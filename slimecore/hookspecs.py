@@ -199,8 +199,9 @@ async def slime_generate(
     turns (use ``Sample.append_response_tokens``) and may fan out into several samples sharing
     ``rollout_id``. ``observation`` and ``agent`` are the run's ``slime_observation`` and ``slime_agent`` hooks
     (async, called with those hooks' keyword arguments), or None when no active plugin implements them: the
-    built-in runs turns with the first and agent episodes with the second. slime:
-    ``--custom-generate-function-path``.
+    built-in runs turns with the first and agent episodes with the second. With ``--use-rollout-routing-replay``
+    call ``client.keep_routed_experts(sample, out["meta_info"])`` after each ``client.generate`` (the built-in
+    does). slime: ``--custom-generate-function-path``.
 
     Called in: rollout, once per sample, concurrently.
     """
