@@ -177,7 +177,7 @@ class MegatronRouterReplay(_OwnChoice):
             replay.clear_indices()
             if indices is None or self._own:
                 replay.clear_router_replay_action()
-            else:  # an activation recompute would also take these: in the one-stage schedule it runs before the next
-                # micro-batch's forward (not exercised by the tests)
+            else:  # an activation recompute takes these too: in the one-stage schedule it runs before the next
+                # micro-batch's forward
                 replay.set_target_indices(indices[:, k].contiguous())
                 replay.set_router_replay_action(RouterReplayAction.REPLAY_FORWARD)

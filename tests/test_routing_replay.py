@@ -280,7 +280,7 @@ def test_bad_combinations_stop_before_ray(tmp_path, moe_checkpoint):
 
 def _megatron_routing(rank: int, world: int, checkpoint: str, part: dict) -> dict:
     """One rank under megatron-core's CPU shim: the experts every TopKRouter call chose (its routing map), in the
-    old-policy pass and in a training step."""
+    old-policy pass and in a training step with full activation recompute."""
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).resolve().parent / "megatron"))
@@ -295,13 +295,13 @@ def _megatron_routing(rank: int, world: int, checkpoint: str, part: dict) -> dic
     grpo = {o.name: o.default for o in hooks.slime_options()["grpo"]}
     config = Config.make(plugins=["grpo", "models"], plugin_values={"grpo": grpo}, hf_checkpoint=checkpoint,
                          train_backend="megatron", rollout_batch_size=8, global_batch_size=8, micro_batch_size=3,
-                         use_rollout_routing_replay=True)
+                         use_rollout_routing_replay=True, recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=1)
     trainer = Trainer(config, hooks, rank=rank, world_size=world, backend="megatron")
-    calls: dict[int, list] = {}  # layer -> (with gradient?, the experts chosen per row) of every router call
+    calls: dict[int, list] = {}  # layer -> the experts chosen per row, of every router call in order
 
     def keep(module, args, out, layer):
-        chosen = np.sort(out[1].nonzero()[:, 1].view(-1, module.topk).numpy(), -1)
-        calls.setdefault(layer, []).append((torch.is_grad_enabled(), chosen))
+        calls.setdefault(layer, []).append(np.sort(out[1].nonzero()[:, 1].view(-1, module.topk).numpy(), -1))
 
     for module in trainer.backend.modules.modules():
         if isinstance(module, TopKRouter):
@@ -313,8 +313,9 @@ def _megatron_routing(rank: int, world: int, checkpoint: str, part: dict) -> dic
 
 def test_megatron_routes_every_token_to_the_rollouts_experts(rollout, moe_checkpoint):
     """The megatron backend (megatron-core's CPU shim, one rank): megatron-core's own RouterReplay, fed the
-    rollout's experts, makes every router call choose the engine's experts for every real token: the log-prob passes
-    over micro-batches of 3 packed samples and a training step's forwards."""
+    rollout's experts, makes every router call choose the engine's experts for every real token: the log-prob pass
+    over micro-batches of 3 packed samples, then a training step's forwards, each followed by its recompute in
+    backward (full activation recompute)."""
     pytest.importorskip("megatron.core")
     pytest.importorskip("slime_models")
     from slimecore.rollout.manager import convert_samples
@@ -341,10 +342,7 @@ def test_megatron_routes_every_token_to_the_rollouts_experts(rollout, moe_checkp
         return all(np.array_equal(call[a:a + n - 1], engine[part["sample_indices"][i]][:, layer])
                    for i, a, n in zip(mb, starts, lengths))
 
+    expected = micro_batches + [mb for mb in micro_batches for _ in ("forward", "recompute")]
     for layer, layer_calls in result.items():
-        scoring = [call for grad, call in layer_calls if not grad]  # log-prob passes, micro-batch by micro-batch
-        training = [call for grad, call in layer_calls if grad]  # the step's forwards
-        assert len(scoring) % len(micro_batches) == 0 and scoring
-        assert all(replays(call, mb, layer) for call, mb in zip(scoring, micro_batches * len(scoring)))
-        assert len(training) == len(micro_batches)
-        assert all(replays(call, mb, layer) for call, mb in zip(training, micro_batches))
+        assert len(layer_calls) == len(expected)
+        assert all(replays(call, mb, layer) for call, mb in zip(layer_calls, expected))
