@@ -55,11 +55,21 @@ def teaching_rows(tokenizer) -> list[tuple[list[int], list[bool]]]:
 def teach(base: Path, out: Path, steps: int = 100, lr: float = 1e-2) -> Path:
     """16 rows (two ways to offer the tool x 4 episodes x 2 turns): 100 steps reproduce every row and make the call
     on 8 of 10 unseen questions with either tool list (checked 2026-11-25), as 200 steps do."""
+    import json
+
     from transformers import AutoTokenizer
 
     from slimecore.testing.tiny import teach_tiny
 
-    return teach_tiny(base, out, teaching_rows(AutoTokenizer.from_pretrained(base)), steps=steps, lr=lr)
+    taught = teach_tiny(base, out, teaching_rows(AutoTokenizer.from_pretrained(base)), steps=steps, lr=lr)
+    # a 1024-token context (rotary positions: no weight depends on it): a tool episode's second turn is ~480 prompt
+    # tokens, and a harness that asks max_tokens 96 on every turn would pass the tiny model's 512, which the agent
+    # endpoints refuse as SGLang does
+    config_path = Path(taught) / "config.json"
+    config = json.loads(config_path.read_text())
+    config["max_position_embeddings"] = 1024
+    config_path.write_text(json.dumps(config, indent=2))
+    return taught
 
 
 @pytest.fixture(scope="session")
