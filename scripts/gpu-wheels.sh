@@ -12,8 +12,19 @@
 # FlattenedTensorBucket in sglang/srt/weight_sync/tensor_bucket.py). The test loads those classes from the
 # wheel's source files: importing sglang.srt.utils would pull torchvision, PIL, IPython, pydantic, aiohttp
 # and more (SGLang's server), which a bare GPU machine does not have.
-# Wheels are for this interpreter's Python and platform; for another one set GPU_WHEELS_PLATFORM (e.g.
-# "--python-version 3.12 --platform manylinux_2_28_x86_64 --only-binary=:all:").
+# Wheels are for this interpreter's Python and platform; for another one set GPU_WHEELS_PLATFORM (pip matches each
+# manylinux tag exactly, so name several), e.g. for CPython 3.12 on x86-64:
+#   GPU_WHEELS_PLATFORM="--python-version 3.12 --implementation cp --only-binary=:all: --platform manylinux_2_17_x86_64
+#     --platform manylinux2014_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_27_x86_64
+#     --platform manylinux_2_28_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux1_x86_64
+#     --platform manylinux_2_5_x86_64"
+# GPU_WHEELS_HAVE names the distributions the GPU machine already has: left out of the folder. For an image with the
+# usual scientific stack (its huggingface-hub 1.x serves transformers, so hub 2.x's own needs go too):
+#   GPU_WHEELS_HAVE="numpy pyyaml aiohttp aiohappyeyeballs aiosignal attrs frozenlist multidict propcache yarl idna
+#     pytest iniconfig pluggy packaging setuptools einops safetensors tokenizers huggingface_hub tqdm pygments h11
+#     anyio pytest_timeout httpcore2 httpx2 truststore pydantic pydantic_core annotated_types annotated_doc
+#     typing_inspection"
+# leaves six wheels, 28 MiB: transformers, megatron-core, mbridge, sglang, pybase64, regex.
 set -euo pipefail
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 dir="${1:-$root/wheels/gpu}"
@@ -32,6 +43,16 @@ download --no-deps "megatron-core>=0.16,<0.17" "mbridge>=0.15.1,<0.16" sglang==0
 rm -f "$dir"/filelock-*.whl "$dir"/fsspec-*.whl "$dir"/typing_extensions-*.whl "$dir"/hf_xet-*.whl \
   "$dir"/typer-*.whl "$dir"/rich-*.whl "$dir"/click-*.whl "$dir"/markdown_it_py-*.whl \
   "$dir"/mdurl-*.whl "$dir"/shellingham-*.whl
+
+# What the GPU machine already has (GPU_WHEELS_HAVE: distribution names, space-separated) stays out of the folder:
+# on an image with the scientific Python stack the folder shrinks to what is really missing
+for name in ${GPU_WHEELS_HAVE:-}; do
+  norm=$(echo "$name" | tr 'A-Z-.' 'a-z__')
+  for whl in "$dir"/*.whl; do
+    base=$(basename "$whl"); dist=$(echo "${base%%-*}" | tr 'A-Z-.' 'a-z__')
+    [ "$dist" = "$norm" ] && rm -f "$whl"
+  done
+done
 
 bytes=$(du -sb "$dir" | cut -f1)
 echo "wheel folder $dir: $(ls "$dir" | wc -l) files, $((bytes / 1024 / 1024)) MiB"
