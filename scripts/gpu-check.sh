@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Every GPU path checked by one command, on a bare GPU machine (torch and triton installed, no network):
 #
-#   bash scripts/gpu-check.sh [--wheels DIR] [--cpu]
+#   bash scripts/gpu-check.sh [--wheels DIR] [--cpu] [--budget SECONDS]
 #
 # 1. installs what it needs from the wheel folder that scripts/gpu-wheels.sh made beforehand (default
 #    wheels/gpu; no index is contacted), then slime-core and the grpo, gspo, ppo and models plugins, editable;
@@ -14,7 +14,9 @@
 # 4. prints a short table of the figures (all its output is also kept there, in gpu-check.log).
 # With OUT set (a folder whose files are collected afterwards, as on a lent device machine) everything it writes
 # goes under $OUT instead, packed at the end into one file, $OUT/gpu-check-<date>-<mode>.tar.gz (unpack it into
-# benchmarks/results/).
+# benchmarks/results/); the pack is remade after every step, so a run stopped from outside leaves what it had done.
+# --budget SECONDS: the whole check's time limit (a lent machine's per-command limit, say): every step's own limit is
+# cut to what is left (minus 20 s to pack), and a step that no longer fits is skipped by name.
 # Without CUDA (or with --cpu) it runs in its CPU mode: every GPU test is skipped by name and the benchmarks
 # run on the tiny model, so the rest of the script is exercised. Exit status: that of the tests.
 set -uo pipefail
@@ -22,11 +24,13 @@ root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$root"
 wheels="$root/wheels/gpu"
 force_cpu=0
+budget=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --wheels) wheels="$(cd "$2" && pwd)"; shift 2 ;;
     --cpu) force_cpu=1; shift ;;
-    *) echo "usage: bash scripts/gpu-check.sh [--wheels DIR] [--cpu]" >&2; exit 2 ;;
+    --budget) budget="$2"; shift 2 ;;
+    *) echo "usage: bash scripts/gpu-check.sh [--wheels DIR] [--cpu] [--budget SECONDS]" >&2; exit 2 ;;
   esac
 done
 python="${PYTHON:-python}"
@@ -34,6 +38,12 @@ export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false RAY_
   PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_NO_INDEX=1
 started=$(date +%s)
 step() { echo; echo "== $* ($(( $(date +%s) - started )) s)"; }
+limit() {  # limit SECONDS: a step's own limit, cut to what --budget leaves (at least 1)
+  local left
+  if [ "$budget" -gt 0 ]; then left=$(( budget - 20 - ($(date +%s) - started) )); else left=$1; fi
+  [ "$left" -lt 1 ] && left=1  # (timeout 0 would mean no limit)
+  echo $(( left < $1 ? left : $1 ))
+}
 
 mode=$("$python" -c "import torch; print('gpu' if torch.cuda.is_available() else 'cpu')" 2>/dev/null) \
   || { echo "torch does not import with $python (set PYTHON to the interpreter that has it)" >&2; exit 1; }
@@ -41,6 +51,12 @@ mode=$("$python" -c "import torch; print('gpu' if torch.cuda.is_available() else
 name="gpu-check-$(date -u +%Y-%m-%dT%H%MZ)-$mode"
 if [ -n "${OUT:-}" ]; then out="$OUT/$name"; else out="$root/benchmarks/results/$name"; fi
 mkdir -p "$out" || exit 1
+pack() {  # with OUT set: (re)make $OUT/$name.tar.gz from what the check has written so far
+  [ -n "${OUT:-}" ] || return 0
+  # the log is still being written: tar's "file changed as we read it" (exit 1) is expected
+  tar --warning=no-file-changed -czf "$OUT/.$name.tar.gz" -C "$OUT" "$name"
+  [ $? -le 1 ] && mv -f "$OUT/.$name.tar.gz" "$OUT/$name.tar.gz"
+}
 
 check() {  # the whole check; its output is kept in $out/gpu-check.log
 step "install from $wheels"
@@ -76,19 +92,24 @@ step "GPU tests (pytest -m gpu)"
 # the files that hold device-parametrised and gpu-marked tests; each imports without Ray or SGLang's server
 # (and without click and rich, the CLI's, which the wheel folder leaves out: the megatron conversion tests of
 # tests/megatron/test_megatron_convert.py go through the CLI and hold no gpu-marked test)
-"$python" -m pytest -q -m gpu -rs -p no:cacheprovider --continue-on-collection-errors \
+timeout "$(limit 400)" "$python" -m pytest -q -m gpu -rs -p no:cacheprovider --continue-on-collection-errors \
   --junitxml="$out/gpu-tests.xml" tests/test_ops.py tests/test_fsdp_trainer.py tests/test_algorithm_gradients.py \
   tests/test_weight_wire.py tests/megatron/test_megatron_backend.py \
   2>&1 | tee "$out/gpu-tests.log" | tail -40
 tests_status=${PIPESTATUS[0]}
 [ "$tests_status" = 5 ] && tests_status=0  # no test selected: nothing failed
+[ "$tests_status" = 124 ] && echo "GPU tests: stopped at the time limit (--budget)"
+pack
 
 bench() {  # bench NAME TIMEOUT COMMAND...: run one benchmark, keep its log, say why it did not finish
-  local name=$1 limit=$2
+  local what=$1 seconds
+  seconds=$(limit "$2")
   shift 2
-  echo "-- $name"
-  if timeout "$limit" "$@" > "$out/$name.log" 2>&1; then tail -3 "$out/$name.log"
-  else echo "$name: failed or timed out after ${limit} s (exit $?), see $out/$name.log"; tail -5 "$out/$name.log"; fi
+  echo "-- $what"
+  if [ "$seconds" -lt 10 ]; then echo "$what: skipped, no time left (--budget $budget)"; return; fi
+  if timeout "$seconds" "$@" > "$out/$what.log" 2>&1; then tail -3 "$out/$what.log"
+  else echo "$what: failed or timed out after ${seconds} s (exit $?), see $out/$what.log"; tail -5 "$out/$what.log"; fi
+  pack
 }
 
 step "benchmarks ($mode)"
@@ -143,7 +164,6 @@ return "$tests_status"
 check 2>&1 | tee "$out/gpu-check.log"
 status=${PIPESTATUS[0]}
 if [ -n "${OUT:-}" ]; then
-  tar -czf "$OUT/$name.tar.gz" -C "$OUT" "$name" && rm -rf "$out" \
-    && echo "results packed into $OUT/$name.tar.gz ($(du -k "$OUT/$name.tar.gz" | cut -f1) KiB)"
+  pack && rm -rf "$out" && echo "results packed into $OUT/$name.tar.gz ($(du -k "$OUT/$name.tar.gz" | cut -f1) KiB)"
 fi
 exit "$status"
