@@ -233,6 +233,11 @@ CORE_OPTIONS: list[Option] = [
     _O("use_rollout_routing_replay", bool, False, "MoE models: the engines return the experts each token was routed "
        "to, and training routes every token to the same experts (old-policy log-probs, forward and backward; "
        "slimecore/routing_replay.py).", group="train"),
+    _O("use_routing_replay", bool, False, "MoE models (R2): the actor's old-policy log-prob pass records the experts "
+       "each token is routed to, and the training forward and backward route every token to them; that pass always "
+       "runs with the flag, even where the loss would reuse its own forward or the rollout's log-probs. With "
+       "--use-rollout-routing-replay it changes nothing (the rollout's routing is replayed in both passes).",
+       group="train"),
     _O("use_lora", bool, False, "Train LoRA adapters (fsdp backend); engines receive merged weights.", group="train"),
     _O("lora_rank", int, 8, "LoRA rank.", group="train"),
     _O("lora_alpha", int, 16, "LoRA alpha.", group="train"),

@@ -1,6 +1,7 @@
 """The MoE routers of HF models, replayed by the fsdp trainer (and found by the embedded engine's recorder,
 ``slimecore.engines.routed_experts``), and the megatron backend's routers replayed through megatron-core's own
-``RouterReplay`` (rollout routing replay: ``slimecore.routing_replay`` says what and why).
+``RouterReplay`` (rollout routing replay, and R2's record of the old-policy pass: ``slimecore.routing_replay``
+says what and why).
 
 transformers' MoE routers (``ROUTERS``) all return ``(router_logits, topk_weights, topk_indices)`` for the
 tokens flattened to rows ``(N, hidden)``: the engine reads ``topk_indices``; the
@@ -18,7 +19,10 @@ from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+
+from slimecore.routing_replay import expert_dtype
 
 # router class -> how it weights its experts: "softmax" (softmax over all experts, the top-k renormalised when
 # norm_topk_prob) or "sigmoid" (sigmoid scores, the choice made on score + expert bias over the best groups, the
@@ -73,10 +77,32 @@ def replay_layout(experts: Sequence[np.ndarray], lengths: Sequence[int], widths:
     return out
 
 
+def recorded_layout(chosen: dict[int, np.ndarray], lengths: Sequence[int], widths: Sequence[int], layers: int,
+                    dtype: np.dtype) -> list[np.ndarray]:
+    """R2's record, :func:`replay_layout` the other way round: from the (rows, topk) experts each MoE layer
+    (``chosen``, by decoder layer) chose in one forward laid out as ``replay_layout`` lays it out, each sequence's
+    routing ``(length - 1, layers, topk)`` in ``dtype``, the format of ``Sample.rollout_routed_experts`` (the
+    columns of dense layers hold 0, as nothing reads them)."""
+    topk = next(iter(chosen.values())).shape[1]
+    out, start = [], 0
+    for n, width in zip(lengths, widths):
+        routed = np.zeros((n - 1, layers, topk), dtype=dtype)
+        for layer, rows in chosen.items():
+            routed[:, layer] = rows[start:start + n - 1]
+        out.append(routed)
+        start += width
+    return out
+
+
 class _OwnChoice:
     """A replay that :meth:`own_choice` can switch off for a block."""
 
     _own = False
+
+    @property
+    def own(self) -> bool:
+        """Inside :meth:`own_choice`: the routers choose by themselves and nothing is recorded."""
+        return self._own
 
     @contextlib.contextmanager
     def own_choice(self) -> Iterator[None]:
@@ -97,10 +123,11 @@ class RouterReplay(_OwnChoice):
     def __init__(self, model: torch.nn.Module):
         self.routers = find_routers(model)
         if not self.routers:
-            raise ValueError(f"--use-rollout-routing-replay: {type(model).__name__} has no MoE router of "
+            raise ValueError(f"routing replay: {type(model).__name__} has no MoE router of "
                              f"{', '.join(ROUTERS)}")
         self.num_experts = self.routers[0][1].weight.shape[0]
         self.topk = self.routers[0][1].top_k
+        self.layers = model.config.num_hidden_layers
         self._indices: dict[int, torch.Tensor] | None = None  # the experts to take, by layer; None: their own
         self.seen: dict[int, torch.Tensor] = {}
         for layer, router in self.routers:
@@ -126,6 +153,13 @@ class RouterReplay(_OwnChoice):
         widths = [width or n for n in lengths]
         out = replay_layout(experts, lengths, widths, sum(widths), layers, self.topk, self.num_experts)
         return {layer: out[:, k].contiguous() for k, layer in enumerate(layers)}
+
+    def recorded(self, lengths: Sequence[int], width: int | None) -> list[np.ndarray]:
+        """R2: each sequence's routing ``(length - 1, decoder layers, topk)`` as the routers chose it in their last
+        forward, laid out as :meth:`rows` says; what :meth:`rows` replays in training."""
+        widths = [width or n for n in lengths]
+        return recorded_layout({layer: self.seen[layer].cpu().numpy() for layer, _ in self.routers}, lengths, widths,
+                               self.layers, expert_dtype(self.num_experts))
 
     @contextlib.contextmanager
     def replaying(self, indices: dict[int, torch.Tensor]) -> Iterator[None]:
@@ -153,10 +187,11 @@ class MegatronRouterReplay(_OwnChoice):
         self.replays = {m.layer_number - 1: m.router_replay for chunk in chunks for m in chunk.modules()
                         if isinstance(m, TopKRouter)}
         if not self.replays or any(r is None for r in self.replays.values()):
-            raise ValueError("--use-rollout-routing-replay: the megatron model has no MoE router built with "
+            raise ValueError("routing replay: the megatron model has no MoE router built with "
                              "moe_enable_routing_replay")
         router = next(m for chunk in chunks for m in chunk.modules() if isinstance(m, TopKRouter))
         self.topk, self.num_experts = router.topk, router.config.num_moe_experts
+        self.layers = router.config.num_layers
         self.tp = parallel_state.get_tensor_model_parallel_world_size() if config.sequence_parallel else 1
         self.tp_rank = parallel_state.get_tensor_model_parallel_rank() if config.sequence_parallel else 0
 
@@ -167,16 +202,35 @@ class MegatronRouterReplay(_OwnChoice):
         per_rank = total // self.tp
         return out[self.tp_rank * per_rank:(self.tp_rank + 1) * per_rank]
 
-    def set(self, indices: torch.Tensor | None) -> None:
-        """The next forward replays ``indices`` (from :meth:`indices`); None, or inside :meth:`own_choice`: the
-        routers choose their own experts."""
+    def recorded(self, lengths: Sequence[int]) -> list[np.ndarray]:
+        """R2: each sequence's routing ``(length - 1, decoder layers, topk)`` as the routers chose it in the last
+        forward (set with ``record``) over one packed stream, gathered from the tensor-parallel ranks' slices with
+        sequence parallelism."""
+        chosen = {}
+        for layer, replay in self.replays.items():
+            rows = replay.get_recorded_indices()
+            if self.tp > 1:
+                from megatron.core import parallel_state
+
+                parts = [torch.empty_like(rows) for _ in range(self.tp)]
+                dist.all_gather(parts, rows.contiguous(), group=parallel_state.get_tensor_model_parallel_group())
+                rows = torch.cat(parts)
+            chosen[layer] = rows.cpu().numpy()
+        return recorded_layout(chosen, lengths, lengths, self.layers, expert_dtype(self.num_experts))
+
+    def set(self, indices: torch.Tensor | None, record: bool = False) -> None:
+        """The next forward replays ``indices`` (from :meth:`indices`); with ``record``, the routers choose and
+        megatron-core's ``RouterReplay`` keeps their choice for :meth:`recorded` (R2); otherwise, or inside
+        :meth:`own_choice`, the routers choose their own experts."""
         from megatron.core.transformer.moe.router_replay import RouterReplayAction
 
         for k, layer in enumerate(sorted(self.replays)):
             replay = self.replays[layer]
             replay.clear_indices()
-            if indices is None or self._own:
+            if self._own or (indices is None and not record):
                 replay.clear_router_replay_action()
+            elif record:
+                replay.set_router_replay_action(RouterReplayAction.RECORD)
             else:  # an activation recompute takes these too: in the one-stage schedule it runs before the next
                 # micro-batch's forward
                 replay.set_target_indices(indices[:, k].contiguous())

@@ -23,8 +23,17 @@ layers x top-8 is 25 MB, where nested Python lists would take over 20 times as m
 ``rollout_routed_experts``, which ``slimecore.rollout.schedule.split_for_ranks`` slices like every per-sample
 column, so each data-parallel rank receives its own samples' routing only (the host OOM of THUDM/slime#2384).
 
-This module imports no torch: the flag's checks before Ray, the wire format and the sample's routing. The routers
-the trainers replay are ``slimecore.routers``; the embedded engine's record is ``slimecore.engines.routed_experts``.
+R2, slime's ``--use-routing-replay``, needs no engine: the actor's old-policy log-prob pass routes freely and
+records every MoE layer's experts per token into the same per-sample arrays, the batch column
+``rollout_routed_experts``, and the training forward and its recompute in backward replay them through R3's code,
+so that the first step's ratio is that of one network (the router's weights may still move: only the choice is
+kept). The trainer runs that pass even where the loss would reuse its own forward or the rollout's log-probs (slime
+forces it where it would reuse the forward: ``can_reuse_log_probs_in_loss`` excludes R2). With both flags R3 wins,
+as in slime, where ``--use-rollout-routing-replay`` implies ``--use-routing-replay``.
+
+This module imports no torch: the flags' checks before Ray, the wire format and the sample's routing. The routers
+the trainers replay (and R2's record) are ``slimecore.routers``; the embedded engine's record is
+``slimecore.engines.routed_experts``.
 """
 
 from __future__ import annotations
@@ -41,6 +50,10 @@ import numpy as np
 from slimecore.errors import ConfigError
 
 FLAG = "--use-rollout-routing-replay"
+R2_FLAG = "--use-routing-replay"
+# a backend asked to replay a batch that has no routing to replay
+NO_ROUTING_COLUMN = (f"routing replay: the batch has no rollout_routed_experts column ({FLAG}: the rollout's; "
+                     f"{R2_FLAG}: Trainer.train's old-policy log-prob pass records it)")
 # HF model types whose router the trainers can replay (their router classes: slimecore.routers.ROUTERS)
 REPLAYABLE_MODEL_TYPES = ("qwen2_moe", "qwen3_moe", "deepseek_v3", "glm4_moe")
 
@@ -62,7 +75,12 @@ class RoutingShape:
     @property
     def dtype(self) -> np.dtype:
         """The smallest unsigned integer type that holds every expert id."""
-        return np.dtype(np.uint8 if self.num_experts <= 256 else np.uint16 if self.num_experts <= 65536 else np.uint32)
+        return expert_dtype(self.num_experts)
+
+
+def expert_dtype(num_experts: int) -> np.dtype:
+    """The smallest unsigned integer type that holds the ids of ``num_experts`` experts."""
+    return np.dtype(np.uint8 if num_experts <= 256 else np.uint16 if num_experts <= 65536 else np.uint32)
 
 
 def routing_shape(hf_config: dict) -> RoutingShape | None:
@@ -80,27 +98,40 @@ def checkpoint_shape(checkpoint: str) -> RoutingShape | None:
     return routing_shape(json.loads((Path(checkpoint) / "config.json").read_text()))
 
 
+def replays(config) -> bool:
+    """Whether the policy's trainer replays routing: the rollout's (R3) or its own old-policy pass's (R2)."""
+    return bool(config.use_rollout_routing_replay or config.use_routing_replay)
+
+
+def records(config) -> bool:
+    """R2 alone: the old-policy log-prob pass records the routing that training replays (with R3 the rollout's
+    routing is replayed in both passes)."""
+    return bool(config.use_routing_replay and not config.use_rollout_routing_replay)
+
+
 def check_config(config) -> None:
-    """Before Ray (``slimecore.trainers.backend.check_startup``): replay needs engines that return the experts
-    and a MoE checkpoint whose router the trainer can replay. One ``ConfigError`` line otherwise."""
-    if not config.use_rollout_routing_replay:
+    """Before Ray (``slimecore.trainers.backend.check_startup``): replay needs a MoE checkpoint whose router the
+    trainer can replay, and R3 engines that return the experts. One ``ConfigError`` line otherwise."""
+    if not replays(config):
         return
-    if config.without_engines:
+    flag = FLAG if config.use_rollout_routing_replay else R2_FLAG
+    if config.use_rollout_routing_replay and config.without_engines:
         raise ConfigError(f"{FLAG} replays the experts the engines routed each token to, but this run starts no "
                           "engine (--no-engines / --debug-train-only): drop the flag")
     shape = checkpoint_shape(config.hf_checkpoint)
     model_type = json.loads((Path(config.hf_checkpoint) / "config.json").read_text()).get("model_type")
     if shape is None:
-        raise ConfigError(f"{FLAG}: --hf-checkpoint {config.hf_checkpoint} is a dense model (model_type "
+        raise ConfigError(f"{flag}: --hf-checkpoint {config.hf_checkpoint} is a dense model (model_type "
                           f"{model_type!r}, no routed experts in its config.json); routing replay applies to "
                           "mixture-of-experts models only: drop the flag")
-    if config.rollout_engine == "sglang" and config.sglang_router_ip is None and not _router_forwards_raw_body():
+    if (config.use_rollout_routing_replay and config.rollout_engine == "sglang" and config.sglang_router_ip is None
+            and not _router_forwards_raw_body()):
         raise ConfigError(f"{FLAG} with --rollout-engine sglang: the installed sglang-router drops "
                           "return_routed_experts on its way to the engines (upstream 0.3.2 re-serialises /generate); "
                           "install slime's router fork (zhuzilin/sgl-router, a version naming slime), which forwards "
                           "the raw body")
     if model_type not in REPLAYABLE_MODEL_TYPES:
-        raise ConfigError(f"{FLAG}: the trainer cannot replay the router of model_type {model_type!r} "
+        raise ConfigError(f"{flag}: the trainer cannot replay the router of model_type {model_type!r} "
                           f"(--hf-checkpoint {config.hf_checkpoint}); it can for {', '.join(REPLAYABLE_MODEL_TYPES)}")
 
 

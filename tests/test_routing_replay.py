@@ -1,7 +1,8 @@
 """Rollout routing replay (R3, ``--use-rollout-routing-replay``): SGLang's ``meta_info.routed_experts`` format, the
 routers' replay (bit-identical on their own choice, for each router kind), the embedded engine's record, and the
 fsdp trainer routing every token to the experts the engine used, through the real engine, rollout columns, DP
-split and ``Trainer``; bad combinations stop before Ray."""
+split and ``Trainer``; bad combinations stop before Ray. R2 (``--use-routing-replay``, the ``r2`` tests): the
+old-policy pass's record replayed in training, on both backends."""
 
 from __future__ import annotations
 
@@ -268,11 +269,16 @@ def test_bad_combinations_stop_before_ray(tmp_path, moe_checkpoint):
     with pytest.raises(MegatronSetupError, match="--use-rollout-routing-replay with --pipeline-model-parallel-size"):
         check_megatron(Config.make(hf_checkpoint=moe_checkpoint, train_backend="megatron",
                                    use_rollout_routing_replay=True, pipeline_model_parallel_size=2), world_size=2)
+    _dense_checkpoint_stops_before_ray(tmp_path, dense, "--use-rollout-routing-replay")
+
+
+def _dense_checkpoint_stops_before_ray(tmp_path, dense, flag: str) -> None:
+    """``slime-core train FLAG`` of the dense checkpoint ``dense`` stops with one line, before the run folder."""
     proc = subprocess.run([sys.executable, "-m", "slimecore_cli", "train", "--plugin", "grpo", "--rollout-batch-size",
-                           "2", "--hf-checkpoint", str(dense), "--use-rollout-routing-replay"], cwd=tmp_path,
+                           "2", "--hf-checkpoint", str(dense), flag], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
-    lines = [line for line in proc.stderr.splitlines() if "--use-rollout-routing-replay" in line]
+    lines = [line for line in proc.stderr.splitlines() if flag in line]
     assert len(lines) == 1, proc.stderr[-2000:]
     assert "is a dense model (model_type 'qwen3', no routed experts" in lines[0]
     assert not (tmp_path / "runs").exists()  # stopped before the run folder, Ray, or a model
@@ -346,3 +352,198 @@ def test_megatron_routes_every_token_to_the_rollouts_experts(rollout, moe_checkp
     for layer, layer_calls in result.items():
         assert len(layer_calls) == len(expected)
         assert all(replays(call, mb, layer) for call, mb in zip(layer_calls, expected))
+
+
+
+# -- R2, --use-routing-replay: the old-policy pass records, training replays ------------------------------------
+
+@pytest.fixture(scope="module")
+def glm_checkpoint(tmp_path_factory):
+    """A tiny GLM-4.5-style MoE: a dense first layer, then two MoE layers whose sigmoid router chooses on its
+    scores plus a correction bias (``e_score_correction_bias``; megatron-core's ``expert_bias``) that steers the
+    choice only, not the chosen experts' weights."""
+    from slimecore.testing.tiny import build_tokenizer
+
+    path = tmp_path_factory.mktemp("glm")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Glm4MoeConfig(
+        vocab_size=400, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, max_position_embeddings=512, tie_word_embeddings=False,
+        n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2, moe_intermediate_size=32,
+        first_k_dense_replace=1, partial_rotary_factor=0.5, attention_bias=True,
+        architectures=["Glm4MoeForCausalLM"])).to(torch.float32)
+    with torch.no_grad():  # random routers: the tokens choose the experts (the default init is near-uniform)
+        for name, param in model.named_parameters():
+            if name.endswith("mlp.gate.weight"):
+                param.normal_(0, 1.0)
+    model.save_pretrained(path)
+    build_tokenizer().save_pretrained(path)
+    return str(path)
+
+
+def _r2_config(checkpoint: str, plugins: list[str], replay: bool, **core) -> Config:
+    """grpo on eight samples in one optimizer step of micro-batches of 3 (grpo alone would reuse the step's own
+    forward as the old policy and skip the log-prob pass)."""
+    hooks = load_plugins(["grpo"])
+    grpo = {o.name: o.default for o in hooks.slime_options()["grpo"]}
+    return Config.make(plugins=plugins, plugin_values={"grpo": grpo}, hf_checkpoint=checkpoint, rollout_batch_size=8,
+                       global_batch_size=8, micro_batch_size=3, use_routing_replay=replay, **core)
+
+
+def _r2_part(checkpoint: str) -> dict:
+    """One rank's data of eight random samples, as a run makes it."""
+    from slimecore.rollout.manager import convert_samples
+    from slimecore.rollout.schedule import split_rollout_data
+    from slimecore.types import Sample
+
+    rng = random.Random(0)
+    samples = []
+    for index in range(8):
+        sample = Sample(index=index, tokens=[rng.randint(3, 390) for _ in range(rng.randint(8, 14))],
+                        reward=float(index % 2))
+        response = [rng.randint(3, 390) for _ in range(rng.randint(6, 12))]
+        sample.append_response_tokens(response, [-1.0] * len(response))
+        samples.append(sample)
+    config = _r2_config(checkpoint, ["grpo"], replay=True)
+    [part] = split_rollout_data(config, convert_samples(load_plugins(["grpo"]), config, samples), 1)
+    return part
+
+
+BIAS_SHIFT = torch.tensor([1.5, -1.5, 0.75, -0.75])  # moves every router's choice, not the chosen experts' weights
+
+
+def _r2_step(rank: int, world: int, checkpoint: str, part: dict, backend: str, replay: bool) -> dict:
+    """One grpo step (fsdp with gradient checkpointing; megatron, under its CPU shim, with full recompute) whose
+    routers' expert bias moves between the old-policy log-prob pass and the step. Returns the old log-probs, the
+    step's own (step 0: before any update), R2's record, and the experts each sample's rows chose in every router
+    call (sorted per row), by layer: the log-prob pass's micro-batches, then each one's forward and recompute."""
+    from slimecore.trainers.trainer import Trainer
+
+    core = dict(gradient_checkpointing=True)
+    plugins = ["grpo"]
+    if backend == "megatron":
+        from pathlib import Path
+
+        sys.path.insert(0, str(Path(__file__).resolve().parent / "megatron"))
+        import cpu_shim
+
+        cpu_shim.install()
+        core = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+        plugins = ["grpo", "models"]
+    config = _r2_config(checkpoint, plugins, replay, train_backend=backend, **core)
+    trainer = Trainer(config, load_plugins(plugins), rank=rank, world_size=world, backend=backend)
+    calls: dict[int, list[np.ndarray]] = {}
+    biases = []
+    if backend == "fsdp":
+        for layer, router in find_routers(trainer.backend.model):
+            router.register_forward_hook(lambda m, a, out, layer=layer: calls.setdefault(layer, []).append(
+                np.sort(out[2].numpy(), -1)))
+            biases.append(router.e_score_correction_bias)
+    else:
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        for module in trainer.backend.modules.modules():
+            if isinstance(module, TopKRouter):
+                module.register_forward_hook(lambda m, a, out, layer=module.layer_number - 1: calls.setdefault(
+                    layer, []).append(out[1].nonzero()[:, 1].view(-1, m.topk).numpy()))
+                biases.append(module.expert_bias)
+    out: dict = {"new": {}}
+    if not replay:  # the pass free routing would take (grpo's single step does not ask for one)
+        out["old"] = trainer.compute_log_probs(part)
+    run = trainer.backend.run_micro_batches
+
+    def between_passes(batch, micro_batches, fn, *, train, **kw):
+        if not train:
+            return run(batch, micro_batches, fn, train=train, **kw)
+        if replay:
+            out["old"], out["recorded"] = batch["log_probs"], batch["rollout_routed_experts"]
+        with torch.no_grad():
+            for bias in biases:
+                bias.add_(BIAS_SHIFT.to(bias.dtype))
+
+        def keep(mb, outputs):
+            out["new"].update({i: lp.detach().float().cpu() for i, lp in zip(mb, outputs["log_probs"])})
+            return fn(mb, outputs)
+
+        return run(batch, micro_batches, keep, train=train, **kw)
+
+    trainer.backend.run_micro_batches = between_passes
+    trainer.train(0, part)
+    micro_batches = part["steps"][0]["micro_batches"]
+    order = micro_batches + [mb for mb in micro_batches for _ in ("forward", "recompute")]
+    out["rows"] = {}
+    for layer, layer_calls in calls.items():
+        assert len(layer_calls) == len(order), (layer, len(layer_calls), len(order))
+        out["rows"][layer] = []
+        for call, mb in zip(layer_calls, order):
+            lengths = [len(part["tokens"][i]) for i in mb]
+            widths = [max(lengths)] * len(mb) if backend == "fsdp" else lengths  # padded rows, or packed
+            starts = np.cumsum([0] + widths)
+            out["rows"][layer].append({i: call[a:a + n - 1] for i, a, n in zip(mb, starts, lengths)})
+    out["old"] = [lp.float().cpu().numpy() for lp in out["old"]]  # numpy: tensors cross processes as file handles
+    out["new"] = [out["new"][i].numpy() for i in range(len(part["tokens"]))]
+    return out
+
+
+def _check_r2(replayed: dict, free: dict, part: dict) -> None:
+    """R2: every router call (the log-prob pass, each training forward and its recompute) chose the recorded
+    experts for every real token, and the step's log-probs are the old ones (ratio 1) although the expert bias
+    moved; without R2 the moved bias routes some tokens elsewhere and the step's log-probs differ."""
+    recorded = replayed["recorded"]
+    assert [r.shape for r in recorded] == [(len(t) - 1, 3, 2) for t in part["tokens"]]
+    assert all(r.dtype == np.uint8 for r in recorded)
+    for layer, per_call in replayed["rows"].items():
+        assert layer in (1, 2)  # the MoE layers; layer 0 is dense
+        for rows in per_call:
+            for i, got in rows.items():
+                assert np.array_equal(got, np.sort(recorded[i][:, layer], -1)), (layer, i)
+    ratio_gap = max(float(np.abs(a - b).max()) for a, b in zip(replayed["old"], replayed["new"]))
+    assert ratio_gap < 1e-5, ratio_gap
+    moved = 0
+    micro_batches = part["steps"][0]["micro_batches"]
+    for layer, per_call in free["rows"].items():
+        before = {i: rows for call in per_call[:len(micro_batches)] for i, rows in call.items()}
+        moved += sum(int((rows[i] != before[i]).any(-1).sum()) for rows in per_call[len(micro_batches):] for i in rows)
+    free_gap = max(float(np.abs(a - b).max()) for a, b in zip(free["old"], free["new"]))
+    assert moved > 0 and free_gap > 1e-3, (moved, free_gap)
+
+
+def test_r2_fsdp_training_replays_the_recorded_routing(glm_checkpoint):
+    """The fsdp backend, HF's GLM-4.5 router, micro-batches right-padded, gradient checkpointing's recompute."""
+    part = _r2_part(glm_checkpoint)
+    _check_r2(_r2_step(0, 1, glm_checkpoint, part, "fsdp", replay=True),
+              _r2_step(0, 1, glm_checkpoint, part, "fsdp", replay=False), part)
+
+
+def test_r2_megatron_training_replays_the_recorded_routing(glm_checkpoint):
+    """The megatron backend (megatron-core's CPU shim, one rank): megatron-core's RouterReplay records in the
+    log-prob pass, replays in the step's forwards and in their full-recompute in backward."""
+    pytest.importorskip("megatron.core")
+    pytest.importorskip("slime_models")
+    from slimecore.testing import timeout as scaled
+    from slimecore.testing.distributed import run_ranks
+
+    part = _r2_part(glm_checkpoint)
+    [replayed] = run_ranks(_r2_step, glm_checkpoint, part, "megatron", True, world=1, timeout=scaled(300))
+    [free] = run_ranks(_r2_step, glm_checkpoint, part, "megatron", False, world=1, timeout=scaled(300))
+    _check_r2(replayed, free, part)
+
+
+def test_r2_bad_combinations_stop_before_ray(tmp_path, moe_checkpoint):
+    """R2 needs no engine, only a MoE checkpoint whose router the trainer replays; megatron refuses pipeline
+    parallelism, as for R3. Each refusal is one line naming the flag."""
+    from slimecore.trainers.megatron import MegatronSetupError, check_config as check_megatron
+
+    check_config(Config.make(hf_checkpoint=moe_checkpoint, use_routing_replay=True, engines=False))  # passes
+    check_config(Config.make(hf_checkpoint=moe_checkpoint, use_routing_replay=True, rollout_engine="sglang"))
+    (tmp_path / "mixtral").mkdir()
+    (tmp_path / "mixtral" / "config.json").write_text('{"model_type": "mixtral", "num_local_experts": 8, '
+                                                      '"num_experts_per_tok": 2, "num_hidden_layers": 2}')
+    with pytest.raises(ConfigError, match="^--use-routing-replay: the trainer cannot replay the router of model_type "
+                                          "'mixtral'"):
+        check_config(Config.make(hf_checkpoint=str(tmp_path / "mixtral"), use_routing_replay=True))
+    with pytest.raises(MegatronSetupError, match="^--use-routing-replay with --pipeline-model-parallel-size > 1"):
+        check_megatron(Config.make(hf_checkpoint=moe_checkpoint, train_backend="megatron", use_routing_replay=True,
+                                   pipeline_model_parallel_size=2), world_size=2)
+    _dense_checkpoint_stops_before_ray(tmp_path, make_tiny_checkpoint(tmp_path / "dense", arch="qwen3"),
+                                       "--use-routing-replay")

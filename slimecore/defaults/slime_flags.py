@@ -215,8 +215,8 @@ SLIME_FLAGS.update({
                "--use-rollout-entropy"),
     **_same("use-rollout-routing-replay", text="R3: the engines return each token's routed experts and the trainer "
             "(fsdp or megatron) routes to them (slimecore/routing_replay.py)"),
-    **_refused("R2 (record the old-policy forward's routing, replay it in training) is not implemented", "--use-rollout-"
-               "routing-replay (replays the rollout's routing; slime's R3, which implies R2)", "--use-routing-replay"),
+    **_same("use-routing-replay", text="R2: the old-policy log-prob pass records each token's routed experts and "
+            "training (fsdp or megatron) routes to them (slimecore/routing_replay.py)"),
     **_refused("the optimizer is AdamW with state", _DROP, "--use-stateless-adam"),
     **_refused("the KL estimators are k1, k2, k3 and low_var_kl, without the unbiased correction",
                "--kl-loss-type", "--use-unbiased-kl"),

@@ -62,7 +62,11 @@ class TrainBackend(Protocol):
         micro-batch count or averages over data-parallel ranks scales the loss back up); returns the infos
         of the ranks that compute losses (other pipeline stages: ``[]``). ``train=False``: no gradient,
         ``fn``'s loss is ignored (it may be None), and every rank gets the infos. An empty micro-batch still
-        runs a forward (and backward) with zero loss, so that the collectives of all ranks stay matched."""
+        runs a forward (and backward) with zero loss, so that the collectives of all ranks stay matched.
+
+        MoE routing replay (``slimecore.routing_replay``): the policy's routers take ``batch["rollout_routed_experts"]``
+        outside ``reference_weights``; with ``--use-routing-replay`` alone a ``train=False`` pass there instead routes
+        freely and adds ``outputs["routed_experts"]``, each sample's choice in that column's format."""
         ...
 
     def optimizer_step(self) -> tuple[float, float]:

@@ -58,6 +58,7 @@ import torch.distributed as dist
 from slimecore.ops.linear_logprobs import CHUNK_TOKENS, linear_log_probs_and_entropy
 from slimecore.ops.logprobs import log_probs_and_entropy
 from slimecore.routers import RouterReplay
+from slimecore.routing_replay import NO_ROUTING_COLUMN, records, replays
 from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
                                         save_rng, training_device)
 
@@ -195,9 +196,10 @@ class FSDPBackend:
                 r=config.lora_rank, lora_alpha=config.lora_alpha, target_modules=list(config.lora_target_modules),
                 lora_dropout=0.0, bias="none", task_type="CAUSAL_LM"))
         self.model = model.to(self.device)
-        # --use-rollout-routing-replay: the policy's MoE routers route each token to the rollout's experts
-        self.router_replay = (RouterReplay(self.model) if config.use_rollout_routing_replay and not self.is_value
-                              else None)
+        # routing replay: the policy's MoE routers route each token to the rollout's experts (R3) or to those the
+        # old-policy log-prob pass recorded (R2: self.records)
+        self.router_replay = RouterReplay(self.model) if replays(config) and not self.is_value else None
+        self.records = self.router_replay is not None and records(config)
 
         self.shared_files: list[str] = []  # /dev/shm files the driver unlinks when the run ends
         if self.sharded:
@@ -374,6 +376,8 @@ class FSDPBackend:
         if train:
             self.optimizer.zero_grad(set_to_none=True)
         infos = []
+        # R2: a no-grad pass of the policy (not the reference's) records its routing, which training replays
+        record = not train and self.records and not self.router_replay.own
         with contextlib.nullcontext() if train else torch.no_grad():
             for k, mb in enumerate(micro_batches):
                 if train and self.sharded:  # reduce-scatter once, after the last micro-batch
@@ -383,9 +387,13 @@ class FSDPBackend:
                     if train:
                         zero.backward()
                     continue
-                with self._routing(batch, mb):
+                with contextlib.nullcontext() if record else self._routing(batch, mb):
                     outputs = self._forward([batch["tokens"][i] for i in mb],
                                             [batch["response_lengths"][i] for i in mb], temperature, with_entropy)
+                    if record:
+                        lengths = [len(batch["tokens"][i]) for i in mb]
+                        outputs["routed_experts"] = self.router_replay.recorded(
+                            lengths, None if self.packed else max(lengths))
                     loss, info = fn(mb, outputs)
                     if train:
                         loss.backward()
@@ -393,12 +401,13 @@ class FSDPBackend:
         return infos
 
     def _routing(self, batch: dict, mb: list[int]):
-        """With routing replay, a block in which the MoE routers take the rollout's experts for micro-batch ``mb``
-        (laid out as ``_forward`` runs it: one stream, or one chunk right-padded to its longest sample)."""
+        """With routing replay, a block in which the MoE routers take the batch's experts (the rollout's, or R2's
+        record) for micro-batch ``mb`` (laid out as ``_forward`` runs it: one stream, or one chunk right-padded to its
+        longest sample)."""
         if self.router_replay is None:
             return contextlib.nullcontext()
         if batch.get("rollout_routed_experts") is None:
-            raise ValueError("--use-rollout-routing-replay: the batch has no rollout_routed_experts column")
+            raise ValueError(NO_ROUTING_COLUMN)
         lengths = [len(batch["tokens"][i]) for i in mb]
         return self.router_replay.replaying(self.router_replay.rows(
             [batch["rollout_routed_experts"][i] for i in mb], lengths, None if self.packed else max(lengths)))

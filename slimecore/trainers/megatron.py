@@ -60,6 +60,7 @@ import torch.distributed as dist
 from slimecore.trainers.megatron_args import megatron_overrides
 from slimecore.ops.linear_logprobs import CHUNK_TOKENS, linear_log_probs_and_entropy
 from slimecore.routers import MegatronRouterReplay
+from slimecore.routing_replay import FLAG, NO_ROUTING_COLUMN, R2_FLAG, records, replays
 from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
                                         save_rng, training_device)
 from slimecore.trainers.megatron_model import (CHECKPOINT_META, BridgedModel, MegatronSetupError, check_shape,
@@ -113,10 +114,11 @@ def check_config(config, world_size: int) -> None:
                                  "--recompute-granularity full --recompute-method uniform --recompute-num-layers 1")
     if c.recompute_granularity == "full" and not c.recompute_method:
         raise MegatronSetupError("--recompute-granularity full needs --recompute-method uniform|block")
-    if c.use_rollout_routing_replay and c.pipeline_model_parallel_size > 1:
-        raise MegatronSetupError("--use-rollout-routing-replay with --pipeline-model-parallel-size > 1 is not "
-                                 "supported (a stage's routers would hold a later micro-batch's experts during an "
-                                 "earlier one's recompute); use pipeline size 1 or --train-backend fsdp")
+    if replays(c) and c.pipeline_model_parallel_size > 1:
+        raise MegatronSetupError(f"{FLAG if c.use_rollout_routing_replay else R2_FLAG} with "
+                                 "--pipeline-model-parallel-size > 1 is not supported (a stage's routers would hold "
+                                 "a later micro-batch's experts during an earlier one's recompute); use pipeline size "
+                                 "1 or --train-backend fsdp")
 
 
 def check_startup(config, hooks):
@@ -150,7 +152,8 @@ class Packed:
     rows: torch.Tensor  # (N,) stream rows whose logits score the response tokens
     targets: torch.Tensor  # (N,) those tokens
     response_lengths: list[int]
-    routed_experts: torch.Tensor | None = None  # --use-rollout-routing-replay: (T, MoE layers, topk) to replay
+    routed_experts: torch.Tensor | None = None  # routing replay: (T, MoE layers, topk) to replay
+    record: bool = False  # R2: the routers choose, and their choice is kept (MegatronRouterReplay.recorded)
 
 
 def pack(tokens: list[list[int]], response_lengths: list[int], packing: str, multiple: int,
@@ -269,8 +272,10 @@ class MegatronBackend:
         # response rows per chunk of the fused output layer (0: the model's own; see the module docstring)
         mtp = getattr(model_config, "mtp_num_layers", None)
         self.head_chunk = CHUNK_TOKENS if self.device.type == "cuda" and not config.sequence_parallel and not mtp else 0
-        # --use-rollout-routing-replay: the MoE routers take the rollout's experts (megatron-core's RouterReplay)
-        self.router_replay = MegatronRouterReplay(self.chunks, config) if config.use_rollout_routing_replay else None
+        # routing replay: the MoE routers take the rollout's experts (R3) or those the old-policy log-prob pass
+        # recorded (R2: self.records), through megatron-core's RouterReplay
+        self.router_replay = MegatronRouterReplay(self.chunks, config) if replays(config) else None
+        self.records = self.router_replay is not None and records(config)
 
     def _load_reference_checkpoint(self, hooks, path: Path) -> None:
         """``--ref-load``: a torch_dist checkpoint of this model (``megatron_checkpoint.json``: a megatron save's
@@ -320,16 +325,24 @@ class MegatronBackend:
         def loss_fn(logits, packed, mb, gpt=None):
             info = None
             if mb:
-                loss, info = fn(mb, self._response_outputs(logits, packed, temperature, with_entropy, gpt))
+                outputs = self._response_outputs(logits, packed, temperature, with_entropy, gpt)
+                if packed.record:  # called right after the micro-batch's forward
+                    outputs["routed_experts"] = self.router_replay.recorded([len(batch["tokens"][i]) for i in mb])
+                loss, info = fn(mb, outputs)
             if not train:
                 return logits.new_zeros(()), info
             return (loss * scale if mb else 0.0 * logits.float().sum()), info  # empty: same collectives, no loss
 
         items = [(self._pack([batch["tokens"][i] for i in mb], [batch["response_lengths"][i] for i in mb]), mb)
                  for mb in micro_batches]
-        if self.router_replay is not None:
+        # R2: a no-grad pass of the policy (not the reference's) records its routing, which training replays
+        record = not train and self.records and not self.router_replay.own
+        if record:
+            for packed, _ in items:
+                packed.record = True
+        elif self.router_replay is not None:
             if batch.get("rollout_routed_experts") is None:
-                raise ValueError("--use-rollout-routing-replay: the batch has no rollout_routed_experts column")
+                raise ValueError(NO_ROUTING_COLUMN)
             for packed, mb in items:
                 packed.routed_experts = self.router_replay.indices(
                     [batch["rollout_routed_experts"][i] for i in mb], [len(batch["tokens"][i]) for i in mb],
@@ -356,7 +369,7 @@ class MegatronBackend:
             hidden_out = last_stage and bool(self.head_chunk)  # the last stage returns hidden states, not logits
             gpt.post_process = last_stage and not hidden_out
             if self.router_replay is not None:
-                self.router_replay.set(packed.routed_experts)
+                self.router_replay.set(packed.routed_experts, record=packed.record)
             try:
                 output = model(input_ids=packed.input_ids, position_ids=packed.position_ids,
                                attention_mask=packed.attention_mask, packed_seq_params=packed.packed_seq_params)

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from slimecore.checkpoint import atomic_write_text
 from slimecore.config import ConfigError
+from slimecore.routing_replay import replays
 from slimecore.trainers.megatron_args import megatron_overrides
 
 CHECKPOINT_META = "megatron_checkpoint.json"
@@ -97,7 +98,7 @@ def transformer_overrides(config) -> dict:
     if config.recompute_granularity:
         overrides.update(recompute_granularity=config.recompute_granularity,
                          recompute_method=config.recompute_method, recompute_num_layers=config.recompute_num_layers)
-    if config.use_rollout_routing_replay:  # megatron-core's RouterReplay in every router (slimecore.routers)
+    if replays(config):  # megatron-core's RouterReplay in every router (slimecore.routers)
         overrides["moe_enable_routing_replay"] = True
     return {**megatron_overrides(config, "transformer"), **overrides}
 

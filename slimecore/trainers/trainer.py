@@ -18,6 +18,7 @@ import time
 import torch
 
 from slimecore.ops.reducers import Reducer, make_sample_mean_reducer, make_token_mean_reducer
+from slimecore.routing_replay import records
 from slimecore.trainers.backend import TrainBackend, backend_class
 from slimecore.trainers.flops import forward_flops
 from slimecore.trainers.roles import role_config
@@ -47,26 +48,32 @@ class Trainer:
             config, hooks, rank=rank, world_size=world_size, value_model=self.is_value, keep_reference=keep_reference,
             **options)
         self.outputs: dict = {}  # per-sample results another role needs (the actor's returns, for the critic)
+        # --use-routing-replay (R2): the old-policy pass records the routing that the training steps replay
+        self.records_routing = not self.is_value and records(config)
         self._first_log_probs: list | None = None  # the first step's per-sample log-probs (--max-logprob-mismatch)
         self._old_values: dict | None = None
 
     # -- no-grad passes ------------------------------------------------------------------------------
     def score(self, data: dict, temperature: float, with_entropy: bool = False) -> dict[str, list[torch.Tensor]]:
         """No-grad outputs of every local sample, micro-batched as the steps are, each ``(R_i,)`` on CPU:
-        ``{"log_probs": ..., "entropy": ...}`` (entropy only if asked), or a value model's ``{"values": ...}``."""
+        ``{"log_probs": ..., "entropy": ...}`` (entropy only if asked), or a value model's ``{"values": ...}``;
+        with ``--use-routing-replay`` the policy's pass adds ``routed_experts``, the routing it recorded (numpy
+        ``(T_i - 1, layers, topk)`` each)."""
         n = len(data["tokens"])
         keys = ["values"] if self.is_value else ["log_probs", "entropy"][:1 + with_entropy]
         scored: dict[str, list] = {key: [None] * n for key in keys}
 
         def keep(mb: list[int], outputs: dict):
-            return None, (mb, {k: [x.float().cpu() for x in v] for k, v in outputs.items() if v is not None})
+            return None, (mb, {k: v if k == "routed_experts" else [x.float().cpu() for x in v]
+                               for k, v in outputs.items() if v is not None})
 
         micro_batches = [mb for step in data["steps"] for mb in step["micro_batches"]]
         for mb, outputs in self.backend.run_micro_batches(data, micro_batches, keep, temperature=temperature,
                                                           with_entropy=with_entropy, train=False):
-            for key in keys:
-                for i, value in zip(mb, outputs[key]):
-                    scored[key][i] = value
+            for key, values in outputs.items():
+                column = scored.setdefault(key, [None] * n)
+                for i, value in zip(mb, values):
+                    column[i] = value
         return scored
 
     def compute_log_probs(self, data: dict, temperature: float | None = None) -> list[torch.Tensor]:
@@ -106,12 +113,20 @@ class Trainer:
 
         metrics: dict[str, float] = {}
         start = time.perf_counter()
-        if "log_probs" in inputs or "entropy" in inputs:
+        # R2 needs the old-policy pass, whose routing training replays: run even where the loss would reuse its
+        # own forward or the rollout's log-probs (slime's can_reuse_log_probs_in_loss excludes R2); its log-probs
+        # are then the old policy's, as in slime
+        if "log_probs" in inputs or "entropy" in inputs or self.records_routing:
             scored = self.score(data, temperature, with_entropy="entropy" in inputs)
-            if "log_probs" in inputs:
+            if "log_probs" in inputs or self.records_routing:
                 batch["log_probs"] = scored["log_probs"]
             if "entropy" in scored:
                 batch["entropy"] = scored["entropy"]
+            if self.records_routing:
+                if data["tokens"] and "routed_experts" not in scored:
+                    raise ValueError(f"--use-routing-replay: the {type(self.backend).__name__} backend recorded no "
+                                     "routing in the old-policy pass (docs/backends.md)")
+                batch["rollout_routed_experts"] = scored.get("routed_experts", [])
         if "ref_log_probs" in inputs:
             with self.backend.reference_weights():
                 batch["ref_log_probs"] = self.score(data, temperature)["log_probs"]
