@@ -130,7 +130,7 @@ class Trainer:
         if "ref_log_probs" in inputs:
             with self.backend.reference_weights():
                 batch["ref_log_probs"] = self.score(data, temperature)["log_probs"]
-        if inputs & {"log_probs", "entropy", "ref_log_probs"}:
+        if inputs & {"log_probs", "entropy", "ref_log_probs"} or self.records_routing:
             metrics["perf/log_probs_time"] = time.perf_counter() - start
         # The engine/trainer log-prob mismatch is measured on the pre-update policy: on the recomputed
         # log-probs when a plugin asked for them, otherwise on the first optimizer step's own forward
