@@ -67,6 +67,17 @@ def test_fsdp_fills_the_column_with_the_checkpoints_log_probs(student_and_teache
     assert _max_diff(moved["ref_log_probs"], student_hf) < 1e-5  # nor the reference
 
 
+def test_fsdp2_ranks_keep_their_shards_of_the_checkpoint(student_and_teacher):
+    """Two FSDP2 ranks (gloo): the checkpoint is read collectively into each rank's shards; each rank's column equals
+    transformers' log-probs of its own samples."""
+    from slimecore.testing.distributed import run_ranks
+
+    student, teacher = student_and_teacher
+    for r in run_ranks(scoring_checks.fsdp_sharded_scoring, str(student), str(teacher), world=2, timeout=300):
+        assert r["sharded"] and r["student_unchanged"], r
+        assert r["teacher_vs_hf"] < 1e-5 and r["reference_vs_hf"] < 1e-5, r
+
+
 def test_columns_the_trainer_fills_or_two_plugins_name_are_refused(student_and_teacher):
     student, teacher = student_and_teacher
     config = Config.make(hf_checkpoint=str(student))

@@ -68,3 +68,30 @@ def megatron_scoring(rank: int, world: int, student: str, teacher: str, teacher_
                      "teacher_vs_student": megatron_checks._max_diff(teacher_hf, student_hf),
                      "student_unchanged": all(torch.equal(before[k], after[k]) for k in before)}
     return out
+
+
+def fsdp_sharded_scoring(rank: int, world: int, student: str, teacher: str) -> dict:
+    """FSDP2 (``shard=True``) over ``world`` gloo ranks: each rank keeps its shards of the teacher (read collectively)
+    and scores its own samples; plain numbers for the test."""
+    import megatron_checks
+
+    from slimecore.config import Config
+    from slimecore.plugins import load_plugins
+    from slimecore.trainers.fsdp import _local
+    from slimecore.trainers.trainer import Trainer
+
+    data = megatron_checks.rank_part(megatron_checks.synthetic_batch(), world, rank)
+    teacher_hf, _ = megatron_checks.hf_response_log_probs(teacher, data, 0.7)
+    student_hf, _ = megatron_checks.hf_response_log_probs(student, data, 0.7)
+    plugin = Recorder(teacher)
+    config = Config.make(hf_checkpoint=student, rollout_temperature=0.7)
+    trainer = Trainer(config, load_plugins([], extra=[plugin], defaults=False), rank=rank, world_size=world,
+                      backend="fsdp", shard=True)
+    before = {k: _local(p).detach().clone() for k, p in trainer.backend.model.named_parameters()}
+    trainer.train(0, copy.deepcopy(data), update=False)
+    [batch] = plugin.seen
+    return {"sharded": trainer.backend.sharded,
+            "teacher_vs_hf": megatron_checks._max_diff(batch["teacher_log_probs"], teacher_hf),
+            "reference_vs_hf": megatron_checks._max_diff(batch["ref_log_probs"], student_hf),
+            "student_unchanged": all(torch.equal(before[k], _local(p)) for k, p in
+                                     trainer.backend.model.named_parameters())}
