@@ -91,7 +91,8 @@ def test_columns_the_trainer_fills_or_two_plugins_name_are_refused(student_and_t
             return {self.column: str(teacher)}
 
     for extra, message in (([Other("ref_log_probs")], "names column 'ref_log_probs', which the trainer fills"),
-                           ([Other("t", "a"), Other("t", "b")], "plugins 'b' and 'a' both ask slime_scoring_weights for column 't'")):
+                           ([Other("t", "a"), Other("t", "b")],
+                            "plugins 'b' and 'a' both ask slime_scoring_weights for column 't'")):
         hooks = load_plugins([], extra=extra, defaults=False)
         with pytest.raises(PluginError, match=message):
             hooks.slime_scoring_weights(config=config, role="actor")

@@ -16,8 +16,8 @@ Flags with no counterpart here are refused at start-up with what to use instead.
 table: each flag, its hook, what of slime's semantics it keeps and where it differs. Every other flag of slime's
 parser has its fate in ``slimecore.defaults.slime_flags`` (``docs/slime-flags.md``): the refused ones are declared
 here, so they parse as in slime and stop the run before Ray with one line; ``--advantage-estimator`` selects the
-algorithm plugin and ``--use-opd`` the opd plugin (``algorithm_plugin``), the ``--wandb-*`` ones become W&B's environment variables, and slime's
-server-group ``--sglang-config`` form is read by ``slimecore.sglang_schema.server_group_overrides``.
+algorithm plugin and ``--use-opd`` the opd plugin (``algorithm_plugin``), the ``--wandb-*`` ones become W&B's
+environment variables, and slime's server-group ``--sglang-config`` form is read by ``slimecore.sglang_schema.server_group_overrides``.
 """
 
 from __future__ import annotations

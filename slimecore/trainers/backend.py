@@ -290,7 +290,7 @@ class ReferenceCopy:
     @classmethod
     def of_loaded(cls, live: Callable[[], Iterable[tuple[str, torch.Tensor]]], load: Callable[[], None]):
         """A copy of the weights that ``load()`` puts into the live tensors (a checkpoint read into the model, so
-        that each rank keeps its own shards); the live tensors hold what they held before again after."""
+        that each rank keeps its own shards); afterwards the live tensors hold what they held before."""
         import torch
 
         before = cls(live())

@@ -149,8 +149,8 @@ class FSDPBackend:
     than one rank); ``device``: where to train (default: ``training_device()``, the current GPU or the CPU)."""
 
     def __init__(self, config, hooks=None, *, rank: int = 0, world_size: int = 1, value_model: bool = False,
-                 keep_reference: bool = False, other_weights: dict[str, str] | None = None, process_group=None, shard: bool | None = None,
-                 device: str | torch.device | None = None):
+                 keep_reference: bool = False, other_weights: dict[str, str] | None = None, process_group=None,
+                 shard: bool | None = None, device: str | torch.device | None = None):
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         if world_size > 1 and not dist.is_initialized():

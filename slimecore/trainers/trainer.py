@@ -1,7 +1,7 @@
 """One rollout's training on one rank, the same for every backend.
 
 ``Trainer.train`` pre-computes the inputs the plugins ask for (``slime_train_inputs``: log-probs, entropies,
-reference log-probs, a value role's old values; ``slime_scoring_weights``: log-probs under other weights), calls ``slime_compute_advantages`` and
+reference and ``slime_scoring_weights`` log-probs, a value role's old values), calls ``slime_compute_advantages`` and
 ``slime_rollout_data_postprocess``, then takes one optimizer step per entry of the rank's schedule
 (``data["steps"]``, built by the rollout manager: ``slimecore.rollout.schedule``). Each step runs the
 backend over the step's micro-batches; for each one it calls ``slime_loss`` with a ``Reducer`` whose shares

@@ -123,8 +123,8 @@ def test_flags_are_checked_before_ray(tmp_path, tiny_hf_checkpoint):
                            (in_trainer | {"opd_teacher": [f"a={tiny_hf_checkpoint}"]}, "exclude each other"),
                            (in_trainer | {"opd_log_prob_top_k": 4}, "^--opd-log-prob-top-k with --opd-teacher-load: "
                             "the trainer's teacher scores the sampled token only"),
-                           ({"opd_teacher_load": str(tmp_path)}, f"^--opd-teacher-load {tmp_path}: not an HF checkpoint "
-                            "directory"),
+                           ({"opd_teacher_load": str(tmp_path)},
+                            f"^--opd-teacher-load {tmp_path}: not an HF checkpoint directory"),
                            ({"opd_teacher": [str(tmp_path)]}, "no config.json"),
                            ({"opd_teacher": [f"a={tiny_hf_checkpoint}"], "opd_teacher_urls": ["a=http://h"]},
                             "both --opd-teacher and --opd-teacher-urls"),
