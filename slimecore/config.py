@@ -845,17 +845,24 @@ def validate_core(config: Config) -> None:
 
 def check_ref_load(c: Config) -> None:
     """``--ref-load`` names a checkpoint the backend reads: an HF directory, or on megatron also a torch_dist one."""
-    path = Path(c.ref_load)
-    hf, torch_dist = (path / "config.json").is_file(), (path / "megatron_checkpoint.json").is_file()
     if c.use_lora:
         raise ConfigError("--ref-load with --use-lora: the LoRA reference is the --hf-checkpoint model with the "
                           "adapters off; drop one of them")
+    check_weights_dir(c, "--ref-load", c.ref_load)
+
+
+def check_weights_dir(c: Config, what: str, checkpoint: str) -> bool:
+    """``checkpoint`` (given by ``what``) is one the backend reads as weights of the policy's architecture, as it reads
+    ``--ref-load``: an HF directory, or on megatron also a torch_dist one. Returns whether it is an HF directory."""
+    path = Path(checkpoint)
+    hf, torch_dist = (path / "config.json").is_file(), (path / "megatron_checkpoint.json").is_file()
     if not (hf or (torch_dist and c.train_backend == "megatron")):
-        raise ConfigError(f"--ref-load {path}: " + ("a torch_dist checkpoint, which --train-backend fsdp cannot read; "
+        raise ConfigError(f"{what} {path}: " + ("a torch_dist checkpoint, which --train-backend fsdp cannot read; "
                           "convert it with `slime-core convert megatron-to-hf`, or use --train-backend megatron"
                           if torch_dist else "not an HF checkpoint directory (no config.json)"
                           + (" nor a torch_dist one (no megatron_checkpoint.json)" if c.train_backend == "megatron"
                              else "")))
+    return hf
 
 
 def may_have_gpus() -> bool:

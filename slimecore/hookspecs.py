@@ -324,6 +324,23 @@ def slime_train_inputs(config: Config, role: str) -> list[str]:
     """
 
 
+@spec(kind="all")
+def slime_scoring_weights(config: Config, role: str) -> dict[str, str]:
+    """Per-token log-prob columns the trainer computes under other weights of the policy's own architecture:
+    ``{column: checkpoint}``, e.g. the opd plugin's ``{"teacher_log_probs": TEACHER}``. The trainer of ``role``
+    keeps each checkpoint's weights as a CPU copy beside the policy's (as it keeps the reference policy's for
+    ``ref_log_probs``: one more copy of the model in host memory per entry), swaps it in for a no-grad forward of
+    every sample each step, and puts the log-probs (at the rollout temperature, ``(R_i,)`` per sample) in the
+    batch under ``column`` before ``slime_compute_advantages``. A checkpoint is what the backend's ``--ref-load``
+    reads: an HF directory, or on megatron also a torch_dist checkpoint. The answers of all plugins are merged;
+    two plugins naming one column, or a column the trainer fills itself (``log_probs``, ``ref_log_probs`` ...), is
+    a start-up error. Checked before Ray (the checkpoint is readable and of the policy's architecture); not with
+    ``--use-lora``, nor for a value role.
+
+    Called in: driver, once, before Ray starts (the checks); train, once per rank as its trainer is built.
+    """
+
+
 @spec(kind="one", required=True)
 def slime_compute_advantages(config: Config, role: str, batch: TrainBatch) -> Advantages:
     """Return ``{"advantages": [...], "returns": [...]}``: one float tensor per sample over its response

@@ -56,6 +56,9 @@ DEFAULT_PLUGINS = (
 )
 log = logging.getLogger("slimecore.plugins")
 
+# batch columns the trainer fills itself, which ``slime_scoring_weights`` may not name
+TRAINER_COLUMNS = frozenset({"log_probs", "entropy", "ref_log_probs", "values", "advantages", "returns",
+                             "rollout_log_probs", "tokens", "loss_masks", "rewards", "response_lengths"})
 SPECS = {name: fn for name, fn in vars(hookspecs).items() if name.startswith("slime_") and callable(fn)}
 
 
@@ -334,6 +337,26 @@ class Hooks:
     def slime_train_inputs(self, *, config: Config, role: str) -> set[str]:
         """The union of the extra inputs every active plugin's loss needs."""
         return {item for items in self.pm.hook.slime_train_inputs(config=config, role=role) for item in items}
+
+    def slime_scoring_weights(self, *, config: Config, role: str) -> dict[str, str]:
+        """``{column: checkpoint}`` of every active plugin, merged; a column two plugins name, or one the trainer
+        fills itself, is a ``PluginError`` naming the plugins."""
+        merged: dict[str, str] = {}
+        owners: dict[str, str] = {}
+        for plugin, answer in self._each("slime_scoring_weights", config=config, role=role):
+            if not isinstance(answer, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                       for k, v in answer.items()):
+                raise PluginError(f"plugin {plugin!r}: slime_scoring_weights must return a dict of column names to "
+                                  f"checkpoint paths, got {answer!r}")
+            for column, checkpoint in answer.items():
+                if column in TRAINER_COLUMNS:
+                    raise PluginError(f"plugin {plugin!r}: slime_scoring_weights names column {column!r}, which the "
+                                      "trainer fills itself; name the column after what it holds")
+                if column in owners:
+                    raise PluginError(f"plugins {owners[column]!r} and {plugin!r} both ask slime_scoring_weights for "
+                                      f"column {column!r}")
+                merged[column], owners[column] = checkpoint, plugin
+        return merged
 
     def slime_compute_advantages(self, *, config: Config, role: str, batch: TrainBatch) -> Advantages:
         return self._answer("slime_compute_advantages", self.pm.hook.slime_compute_advantages(

@@ -26,7 +26,8 @@ def test_each_backend_implements_the_whole_protocol(name):
         params = list(inspect.signature(getattr(cls, method)).parameters)
         assert params == list(signature.parameters), (cls.__name__, method, params)
     init = inspect.signature(cls.__init__).parameters
-    assert {"config", "hooks", "rank", "world_size", "value_model", "keep_reference"} <= set(init), cls.__name__
+    assert {"config", "hooks", "rank", "world_size", "value_model", "keep_reference", "other_weights"} <= set(init), \
+        cls.__name__
 
 
 def test_no_backend_derives_from_another():

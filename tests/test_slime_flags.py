@@ -43,6 +43,7 @@ VALUES = {
     "--custom-megatron-init-path": M + "init", "--load-debug-rollout-data": "dump/{rollout_id}.pt",
     "--save-debug-rollout-data": "dump/{rollout_id}.pt", "--save-hf": "hf/{rollout_id}",
     "--sglang-config": "sglang.yaml", "--rm-type": "math", "--eps-clip-c": "3", "--ref-load": "ref",
+    "--opd-teacher-load": "ref",
 }
 # flags that need another one to mean anything (slime asserts the same pairs)
 CONTEXT = {
@@ -54,6 +55,7 @@ CONTEXT = {
        for e in ("reinforce_plus_plus", "reinforce_plus_plus_baseline")},
     "--use-dynamic-batch-size": ["--max-tokens-per-gpu", "64"], "--kl-loss-coef": ["--use-kl-loss"],
     "--opd-kl-coef": ["--opd-teacher-urls", "default=http://127.0.0.1:1"],  # the opd plugin needs a teacher
+    "--use-opd": ["--opd-type", "megatron", "--opd-teacher-load", "ref"],  # slime asks for --opd-type
     "--mtp-num-layers": ["--train-backend", "megatron"], "--mtp-loss-scaling-factor": ["--train-backend", "megatron"],
 }
 # values of a same or mapped flag that slime-core refuses, with what to use (the table's text says so)
@@ -152,6 +154,7 @@ def test_the_data_is_slime_parser_source():
 MAPPED = {  # each mapped flag: what the parser must have made of (value)
     "--advantage-estimator": lambda c, v: {"grpo": "grpo", "gspo": "gspo"}.get(v, "ppo") in c.plugins and (
         v in ("grpo", "gspo") or c.plugin("ppo").advantage_estimator == v),
+    "--use-opd": lambda c, v: "opd" in c.plugins and c.plugin("opd").opd_teacher_load == "ref",
     "--update-weight-transport": lambda c, v: c.update_weight_transport == {"nccl": "distributed"}.get(v, v),
     "--sglang-config": lambda c, v: overrides(c) == {"mem_fraction_static": 0.7},  # slime's server-group form
     **{f"--wandb-{k}": lambda c, v, k=k: vars(c.plugin(NAME))[f"wandb_{k.replace('-', '_')}"] == v
@@ -252,11 +255,11 @@ def test_the_doc_is_generated_from_the_table():
 
 def test_a_refused_flag_stops_the_run_before_ray_with_one_line(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "slimecore_cli", "train", "--advantage-estimator", "grpo",
-                           "--rollout-batch-size", "2", "--use-opd", "--opd-type", "megatron"], cwd=tmp_path,
+                           "--rollout-batch-size", "2", "--use-opd", "--opd-type", "sglang"], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert " ".join(proc.stderr.split()).startswith("error: --use-opd is not supported by slime-core: on-policy "
-                                                    "distillation is the opd plugin's; instead: --plugin opd ")
+    assert " ".join(proc.stderr.split()).startswith("error: --opd-type sglang is not supported by slime-core: slime's "
+                                                    "sglang type asks a teacher server through its reward function")
     assert not (tmp_path / "runs").exists()  # stopped before the run folder, Ray, or a model
 
 
@@ -398,3 +401,34 @@ def test_a_slime_scripts_megatron_flags_mean_slimes_megatron_backend(workdir):
     assert _parse(BASE + ["--sequence-parallel", "--tensor-model-parallel-size", "2"]).sequence_parallel is True
     if not may_have_gpus():  # --colocate's trainer offload: on CPU the state is in host memory already
         assert _parse(BASE + ["--optimizer", "adam", "--colocate"]).offload_train is False
+
+
+def test_slimes_opd_megatron_flags_pass_the_checks_before_ray(two_tiny_qwen3, workdir, tmp_path):
+    """The flags of slime's examples/on_policy_distillation/run-qwen3-8B-opd-megatron.sh (its GRPO_ARGS and
+    OPTIMIZER_ARGS as written; paths and sizes for this machine): megatron (--optimizer), grpo with the opd plugin
+    whose teacher is the trainer's, through every check before Ray; a teacher of another shape stops there."""
+    from slimecore.startup import prepare
+    from slimecore.testing.tiny import make_tiny_checkpoint
+
+    policy, teacher = two_tiny_qwen3
+    (tmp_path / "dapo.jsonl").write_text("".join(json.dumps({"prompt": [{"role": "user", "content": f"{i} + 1?"}],
+                                                             "label": str(i + 1)}) + "\n" for i in range(4)))
+    grpo_args = ["--advantage-estimator", "grpo", "--use-opd", "--opd-type", "megatron", "--opd-kl-coef", "1.0",
+                 "--opd-teacher-load", str(teacher), "--use-kl-loss", "--kl-loss-coef", "0.00", "--kl-loss-type",
+                 "low_var_kl", "--entropy-coef", "0.00"]
+    optimizer_args = ["--optimizer", "adam", "--lr", "1e-6", "--lr-decay-style", "constant", "--weight-decay", "0.1",
+                      "--adam-beta1", "0.9", "--adam-beta2", "0.98"]
+    rest = ["--hf-checkpoint", str(policy), "--ref-load", str(policy), "--prompt-data", str(tmp_path / "dapo.jsonl"),
+            "--input-key", "prompt", "--label-key", "label", "--apply-chat-template", "--rollout-batch-size", "2",
+            "--n-samples-per-prompt", "2", "--global-batch-size", "4", "--rm-type", "math", "--log-dir",
+            str(tmp_path / "run")]
+    config, hooks, _ = train_config(train_plugins(grpo_args + optimizer_args + rest))
+    assert config.train_backend == "megatron" and {"grpo", "opd", "models"} <= set(config.plugins)
+    assert config.plugin("opd").opd_teacher_load == str(teacher) and config.plugin("opd").opd_kl_coef == 1.0
+    assert hooks.slime_scoring_weights(config=config, role="actor") == {"teacher_log_probs": str(teacher)}
+    prepare(config, hooks)
+    wider = make_tiny_checkpoint(tmp_path / "wider", "qwen3", hidden=96, seed=2)
+    args = [wider if a == str(teacher) else a for a in grpo_args]
+    config, hooks, _ = train_config(train_plugins([*map(str, args), *optimizer_args, *rest[:-1], str(tmp_path / "r2")]))
+    with pytest.raises(ConfigError, match="^the teacher_log_probs checkpoint .* is not of the policy's architecture"):
+        prepare(config, hooks)

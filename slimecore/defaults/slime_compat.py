@@ -16,8 +16,8 @@ Flags with no counterpart here are refused at start-up with what to use instead.
 table: each flag, its hook, what of slime's semantics it keeps and where it differs. Every other flag of slime's
 parser has its fate in ``slimecore.defaults.slime_flags`` (``docs/slime-flags.md``): the refused ones are declared
 here, so they parse as in slime and stop the run before Ray with one line; ``--advantage-estimator`` selects the
-algorithm plugin (``algorithm_plugin``), the ``--wandb-*`` ones become W&B's environment variables, and slime's
-server-group ``--sglang-config`` form is read by ``slimecore.sglang_schema.server_group_overrides``.
+algorithm plugin and ``--use-opd`` the opd plugin (``algorithm_plugin``), the ``--wandb-*`` ones become W&B's
+environment variables, and slime's server-group ``--sglang-config`` form is read by ``slimecore.sglang_schema.server_group_overrides``.
 """
 
 from __future__ import annotations
@@ -149,12 +149,11 @@ def _when(*flags: str):
 
 
 def algorithm_plugin(argv: list[str], specs: list[str]) -> tuple[list[str], list[str], str | None]:
-    """slime's ``--advantage-estimator NAME``: the plugin implementing NAME joins ``specs`` (before plugins load).
-    Returns argv without the flag, the specs, and NAME (``estimator_argv`` gives the flag back to a plugin that
-    declares it, as ppo does for its three estimators)."""
-    from slimecore.plugins import installed_entry_points
-
-    rest, name, i = [], None, 0
+    """slime's ``--advantage-estimator NAME``: the plugin implementing NAME joins ``specs`` (before plugins load);
+    slime's ``--use-opd`` (with ``--opd-type``, as slime asks) brings the opd plugin. Returns argv without those flags,
+    the specs, and NAME (``estimator_argv`` gives the flag back to a plugin that declares it, as ppo does for its
+    three estimators)."""
+    rest, name, use_opd, i = [], None, False, 0
     while i < len(argv):
         arg = argv[i]
         if arg == "--advantage-estimator" and i + 1 < len(argv):
@@ -162,11 +161,21 @@ def algorithm_plugin(argv: list[str], specs: list[str]) -> tuple[list[str], list
             continue
         if arg.startswith("--advantage-estimator="):
             name = arg.partition("=")[2]
+        elif arg == "--use-opd":
+            use_opd = True
         else:
             rest.append(arg)
         i += 1
+    if use_opd:
+        opd_type = _flag_value(rest, "--opd-type")
+        if opd_type is None:
+            raise ConfigError("--use-opd needs --opd-type, as in slime: --opd-type megatron with --opd-teacher-load "
+                              "CKPT (the teacher in the trainer)")
+        if opd_type not in SLIME_FLAGS["--opd-type"].accepted:  # before the opd plugin asks for a teacher
+            raise ConfigError(refused_message("--opd-type", opd_type))
+        specs = _with_plugin(specs, "opd", "--use-opd")
     if name is None:
-        return argv, specs, None
+        return rest, specs, None
     plugin = ESTIMATOR_PLUGINS.get(name)
     if plugin is None:
         raise ConfigError(f"--advantage-estimator {name}: no slime-core algorithm plugin implements it; instead: one of "
@@ -175,12 +184,29 @@ def algorithm_plugin(argv: list[str], specs: list[str]) -> tuple[list[str], list
     if others:
         raise ConfigError(f"--advantage-estimator {name} selects plugin {plugin!r}, but --plugin {others[0]} is given "
                           "too; keep one of them")
-    if plugin not in specs:
-        if plugin not in installed_entry_points():
-            raise ConfigError(f"--advantage-estimator {name} needs the algorithm plugin {plugin!r}, which is not "
-                              f"installed: pip install plugins/{plugin} (distribution slime-core-{plugin})")
-        specs = [*specs, plugin]
-    return rest, specs, name
+    return rest, _with_plugin(specs, plugin, f"--advantage-estimator {name}"), name
+
+
+def _flag_value(argv: list[str], flag: str) -> str | None:
+    """``flag``'s value in ``argv`` (``--flag V`` or ``--flag=V``; "" when nothing follows), None when absent."""
+    for k, arg in enumerate(argv):
+        if arg == flag:
+            return argv[k + 1] if k + 1 < len(argv) else ""
+        if arg.startswith(flag + "="):
+            return arg.partition("=")[2]
+    return None
+
+
+def _with_plugin(specs: list[str], plugin: str, flag: str) -> list[str]:
+    """``specs`` with ``plugin``, which slime's ``flag`` selects; a ConfigError if it is not installed."""
+    from slimecore.plugins import installed_entry_points
+
+    if plugin in specs:
+        return specs
+    if plugin not in installed_entry_points():
+        raise ConfigError(f"{flag} needs the {'algorithm ' if plugin != 'opd' else ''}plugin {plugin!r}, which is not "
+                          f"installed: pip install plugins/{plugin} (distribution slime-core-{plugin})")
+    return [*specs, plugin]
 
 
 def estimator_argv(argv: list[str], declared: dict[str, list[Option]], name: str | None) -> list[str]:

@@ -172,13 +172,19 @@ SLIME_FLAGS.update({
     **_refused("the model bridge is chosen from config.json's architecture", _DROP, "--model-name"),
     **_refused("no multimodal prompts", "text prompts (--input-key)", "--multimodal-keys"),
     **_same("opd-kl-coef", plugin="opd", text="the weight of the teacher's term in the advantages"),
-    **_refused("on-policy distillation is the opd plugin's", "--plugin opd with --opd-teacher NAME=HF_CHECKPOINT "
-               "(the run starts that teacher) or --opd-teacher-urls NAME=URL", "--use-opd", "--opd-teacher-load"),
-    **_refused("the opd plugin asks its teachers through SGLang's /generate (slime's sglang type); a megatron "
-               "teacher in the trainer is not implemented", "--plugin opd --opd-teacher NAME=HF_CHECKPOINT",
-               "--opd-type"),
-    **_refused("a checkpoint step is not chosen inside a teacher's checkpoint", "--opd-teacher NAME=DIR with the "
-               "HF directory itself", "--opd-teacher-ckpt-step"),
+    **_same("opd-teacher-load", plugin="opd", text="the teacher in the trainer (slime's --opd-type megatron): a "
+            "checkpoint of the student's architecture read as --ref-load is (an HF directory, or on --train-backend "
+            "megatron also a torch_dist one), kept by each train rank as a CPU copy and run forward once a step to "
+            "fill teacher_log_probs"),
+    "--use-opd": Fate("mapped", "selects the opd plugin (as --plugin opd); with slime's --opd-type megatron and "
+                      "--opd-teacher-load CKPT the teacher is the trainer's"),
+    **_refused("slime's sglang type asks a teacher server through its reward function (--rm-url); the opd plugin "
+               "asks its teacher engines itself", "--opd-type megatron --opd-teacher-load CKPT (the teacher in the "
+               "trainer), or --plugin opd with --opd-teacher NAME=HF_CHECKPOINT (the run starts that teacher) or "
+               "--opd-teacher-urls NAME=URL", "--opd-type", accepted=("megatron",)),
+    **_refused("a checkpoint step is not chosen inside --opd-teacher-load, as inside --ref-load (the trainers read "
+               "the checkpoint directory given)", "--opd-teacher-load with the checkpoint directory itself (an HF "
+               "directory, or SAVE/iter_N/actor on megatron)", "--opd-teacher-ckpt-step"),
     **_refused("off-policy sequence masking is not implemented", "--use-tis --tis-mode icepop (token-level masking)",
                "--use-opsm", "--opsm-delta"),
     **_refused("the vocabulary size comes from config.json", _DROP, "--padded-vocab-size"),

@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, ContextManager, Protocol
 
 from slimecore.config import TRAIN_BACKENDS
 
+REFERENCE = "ref_log_probs"  # the column scored under the reference policy (``reference_weights()``)
+
 if TYPE_CHECKING:
     import torch
 
@@ -37,11 +39,13 @@ MicroBatchFn = Callable[[list[int], Outputs], "tuple[torch.Tensor, Any]"]
 class TrainBackend(Protocol):
     """One rank's model, optimizer and weights, behind the backend-independent ``Trainer``.
 
-    Built as ``cls(config, hooks, rank=, world_size=, value_model=, keep_reference=, **options)``: the caller
-    has initialised torch.distributed when ``world_size`` > 1; ``hooks`` is the run's hook facade (a backend
-    may ask ``slime_model_bridge`` for its model); ``value_model`` asks for a value head (one output per token,
-    role ``critic``) instead of the LM head; ``keep_reference`` asks for the initial weights to be kept for
-    ``reference_weights``. Unknown ``options`` are a ``TypeError``.
+    Built as ``cls(config, hooks, rank=, world_size=, value_model=, keep_reference=, other_weights=, **options)``:
+    the caller has initialised torch.distributed when ``world_size`` > 1; ``hooks`` is the run's hook facade (a
+    backend may ask ``slime_model_bridge`` for its model); ``value_model`` asks for a value head (one output per
+    token, role ``critic``) instead of the LM head; ``keep_reference`` asks for the initial weights to be kept for
+    ``reference_weights()``; ``other_weights`` (``{column: checkpoint}``, ``slime_scoring_weights``) for each
+    checkpoint's weights to be kept for ``reference_weights(column)``, read as ``--ref-load`` reads its
+    checkpoint. Unknown ``options`` are a ``TypeError``.
     """
 
     device: torch.device  # where micro-batch tensors go
@@ -79,10 +83,10 @@ class TrainBackend(Protocol):
         """Each key summed over the data-parallel replicas (a replica lacking a key adds 0)."""
         ...
 
-    def reference_weights(self) -> ContextManager[None]:
-        """Within the block the model is the reference policy (the initial weights); after it, the current
-        weights again. Only when built with ``keep_reference`` (or when the reference costs nothing, as
-        LoRA's disabled adapters)."""
+    def reference_weights(self, column: str = REFERENCE) -> ContextManager[None]:
+        """Within the block the model is the reference policy (the initial weights), or for another ``column`` the
+        weights of its ``other_weights`` checkpoint; after it, the current weights again. The reference only when
+        built with ``keep_reference`` (or when it costs nothing, as LoRA's disabled adapters)."""
         ...
 
     def named_weights(self) -> dict[str, torch.Tensor]:
@@ -158,6 +162,39 @@ def check_startup(config, hooks) -> None:
         from slimecore.trainers.megatron_args import check_against_hf
 
         check_against_hf(config, AutoConfig.from_pretrained(config.hf_checkpoint), shape)
+    check_scoring_weights(config, hooks)
+
+
+# config.json fields two checkpoints must share for one's weights to load into the other's model
+SHAPE_FIELDS = ("model_type", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "num_experts", "num_local_experts")
+
+
+def check_scoring_weights(config, hooks) -> None:
+    """The checkpoints of ``slime_scoring_weights`` (each policy role's): readable by the backend and, for an HF
+    directory, of the policy's architecture (``SHAPE_FIELDS``); a torch_dist one is checked against the model when
+    the megatron backend loads it. Not with ``--use-lora`` (the copy would be of the base weights alone)."""
+    from slimecore.config import ConfigError, check_weights_dir
+    from slimecore.trainers.roles import declared_roles
+
+    for role in declared_roles(config, hooks):
+        if role.model == "value":
+            continue
+        for column, checkpoint in hooks.slime_scoring_weights(config=config, role=role.name).items():
+            what = f"the {column} checkpoint (slime_scoring_weights)"
+            if config.use_lora:
+                raise ConfigError(f"{what} with --use-lora: other weights are kept for full fine-tuning only; drop "
+                                  "--use-lora")
+            if not check_weights_dir(config, what, checkpoint):
+                continue
+            from transformers import AutoConfig
+
+            ours, theirs = (AutoConfig.from_pretrained(c).to_dict() for c in (config.hf_checkpoint, checkpoint))
+            differ = [f"{k} {theirs.get(k)} (the policy's {ours.get(k)})" for k in SHAPE_FIELDS
+                      if ours.get(k) != theirs.get(k)]
+            if differ:
+                raise ConfigError(f"{what} {checkpoint} is not of the policy's architecture (--hf-checkpoint "
+                                  f"{config.hf_checkpoint}): {', '.join(differ)}")
 
 
 def training_device() -> torch.device:
@@ -229,8 +266,9 @@ def load_rng(path: Path, rank: int) -> dict:
 
 
 class ReferenceCopy:
-    """A CPU copy of this rank's initial weights (or weight shards), swapped into the live tensors for the
-    reference-policy forward: the current weights are kept on CPU meanwhile and copied back after."""
+    """A CPU copy of this rank's initial weights (or weight shards), or of another checkpoint's, swapped into the
+    live tensors for the reference-policy (or that checkpoint's) forward: the current weights are kept on CPU
+    meanwhile and copied back after."""
 
     def __init__(self, tensors: Iterable[tuple[str, torch.Tensor]]):
         self.saved = {name: t.detach().to("cpu", copy=True) for name, t in tensors}
@@ -253,6 +291,28 @@ class ReferenceCopy:
                     t.copy_(current[name])
 
 
-def missing_reference() -> RuntimeError:
-    return RuntimeError("ref_log_probs was not requested by slime_train_inputs when the trainer was built, so no "
-                        "reference copy exists; train_inputs must not depend on the step")
+    @classmethod
+    def of_loaded(cls, live: Callable[[], Iterable[tuple[str, torch.Tensor]]], load: Callable[[], None]):
+        """A copy of the weights that ``load()`` puts into the live tensors (a checkpoint read into the model, so
+        that each rank keeps its own shards); afterwards the live tensors hold what they held before."""
+        import torch
+
+        before = cls(live())
+        try:
+            load()
+            return cls(live())
+        finally:
+            with torch.no_grad():
+                for name, t in live():
+                    t.copy_(before.saved[name])
+
+
+def kept_copy(kept: dict[str, ReferenceCopy], column: str) -> ReferenceCopy:
+    """``kept[column]``, or the error saying why the trainer kept no such copy."""
+    if column in kept:
+        return kept[column]
+    if column == REFERENCE:
+        raise RuntimeError("ref_log_probs was not requested by slime_train_inputs when the trainer was built, so no "
+                           "reference copy exists; train_inputs must not depend on the step")
+    raise RuntimeError(f"no weights were kept for column {column!r}: slime_scoring_weights did not name it when the "
+                       "trainer was built")

@@ -40,12 +40,15 @@ role's ``hf_checkpoint`` backbone with a one-output token-classification head (`
 
 Reference policy (``ref_log_probs``): the initial weights. Full fine-tuning keeps a CPU copy of them (taken
 at construction, only when a plugin asks for ``ref_log_probs``) and swaps it into the same model for one
-forward; with LoRA it is the same model with the adapters disabled (no copy).
+forward; with LoRA it is the same model with the adapters disabled (no copy). Other weights a plugin scores with
+(``slime_scoring_weights``, an OPD teacher): one more CPU copy each, read from its HF directory as ``--ref-load`` is,
+swapped in the same way.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 import re
@@ -59,7 +62,7 @@ from slimecore.ops.linear_logprobs import CHUNK_TOKENS, linear_log_probs_and_ent
 from slimecore.ops.logprobs import log_probs_and_entropy
 from slimecore.routers import RouterReplay
 from slimecore.routing_replay import NO_ROUTING_COLUMN, records, replays
-from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
+from slimecore.trainers.backend import (REFERENCE, MicroBatchFn, ReferenceCopy, add_up, kept_copy, load_rng, lr_lambda,
                                         save_rng, training_device)
 
 log = logging.getLogger("slimecore.fsdp")
@@ -147,8 +150,8 @@ class FSDPBackend:
     than one rank); ``device``: where to train (default: ``training_device()``, the current GPU or the CPU)."""
 
     def __init__(self, config, hooks=None, *, rank: int = 0, world_size: int = 1, value_model: bool = False,
-                 keep_reference: bool = False, process_group=None, shard: bool | None = None,
-                 device: str | torch.device | None = None):
+                 keep_reference: bool = False, other_weights: dict[str, str] | None = None, process_group=None,
+                 shard: bool | None = None, device: str | torch.device | None = None):
         from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
         if world_size > 1 and not dist.is_initialized():
@@ -210,14 +213,14 @@ class FSDPBackend:
             share_weights(self.model)
             self.shared_files.append(shared_file(next(iter(self.model.state_dict().values()))))
         if config.ref_load and not self.is_value:  # slime's --ref-load: the reference, and the start unless --load
-            from transformers import AutoModelForCausalLM
-
-            self._load_state(AutoModelForCausalLM.from_pretrained(config.ref_load, dtype=torch.float32).state_dict(),
-                             f"--ref-load {config.ref_load}")
+            self._load_hf(config.ref_load, f"--ref-load {config.ref_load}")
         # Taken before any load(), so the reference is the initial checkpoint; each rank keeps its own shards.
-        self._reference = None
+        self._kept: dict[str, ReferenceCopy] = {}  # column -> the weights it is scored under (reference_weights)
         if keep_reference and not config.use_lora:  # LoRA's reference is the model with its adapters disabled
-            self._reference = ReferenceCopy((name, _local(p)) for name, p in self.model.named_parameters())
+            self._kept[REFERENCE] = ReferenceCopy((name, _local(p)) for name, p in self.model.named_parameters())
+        for column, checkpoint in (other_weights or {}).items():  # read as --ref-load is, then the start put back
+            self._kept[column] = ReferenceCopy.of_loaded(self._live_weights, functools.partial(
+                self._load_hf, checkpoint, f"the {column} checkpoint {checkpoint}"))
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         # response rows per chunk of the fused head (0: the model's own head; see the module docstring)
         self.head_chunk = CHUNK_TOKENS if self.device.type == "cuda" else 0
@@ -413,17 +416,16 @@ class FSDPBackend:
             [batch["rollout_routed_experts"][i] for i in mb], lengths, None if self.packed else max(lengths)))
 
     @contextlib.contextmanager
-    def reference_weights(self):
-        """Swap the reference weights in (LoRA: disable the adapters), restore the current ones after. The
-        reference's MoE routers choose their own experts (no routing replay), as slime's reference does."""
+    def reference_weights(self, column: str = REFERENCE):
+        """Swap the reference weights in (LoRA: disable the adapters), or ``column``'s (``other_weights``), restore
+        the current ones after. Their MoE routers choose their own experts (no routing replay), as slime's
+        reference does."""
         with self.router_replay.own_choice() if self.router_replay else contextlib.nullcontext():
-            if self.config.use_lora:
+            if self.config.use_lora and column == REFERENCE:
                 with self.model.disable_adapter():
                     yield
                 return
-            if self._reference is None:
-                raise missing_reference()
-            with self._reference.swapped_in(self._live_weights):
+            with kept_copy(self._kept, column).swapped_in(self._live_weights):
                 yield
 
     def _live_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
@@ -603,6 +605,12 @@ class FSDPBackend:
             raise FileNotFoundError(f"{opt_file} is missing; the checkpoint was saved with --no-save-optim? "
                                     "Pass --no-save-optim to resume with a fresh optimizer")
         load_rng(path, self.rank)
+
+    def _load_hf(self, checkpoint: str, where: str) -> None:
+        """An HF directory's weights into the model (``--ref-load``, ``other_weights``)."""
+        from transformers import AutoModelForCausalLM
+
+        self._load_state(AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32).state_dict(), where)
 
     def _load_state(self, state: dict[str, torch.Tensor], where: str) -> None:
         trainable = {name for name, p in self.model.named_parameters() if p.requires_grad}

@@ -41,12 +41,15 @@ Megatron exempts biases and norm weights from weight decay (the default ``--weig
 Weights for the engines: the bridge's HF-named export, in buckets of ``WEIGHT_BUCKET_BYTES`` (slime's
 ``--update-weight-buffer-size`` default); ``named_weights`` joins them on rank 0. Checkpoints: megatron-core
 ``dist_checkpointing`` (``torch_dist``: model and optimizer, reshardable to other TP/PP/DP sizes), the step and
-LR-schedule position, the bridge shape (``megatron_checkpoint.json``) and each rank's RNG.
+LR-schedule position, the bridge shape (``megatron_checkpoint.json``) and each rank's RNG. The reference policy and
+other weights a plugin scores with (``slime_scoring_weights``): CPU copies of each rank's parameters, the initial ones
+or a checkpoint's read as ``--ref-load`` is, swapped into the live parameters for a no-grad pass.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -61,7 +64,7 @@ from slimecore.trainers.megatron_args import megatron_overrides
 from slimecore.ops.linear_logprobs import CHUNK_TOKENS, linear_log_probs_and_entropy
 from slimecore.routers import MegatronRouterReplay
 from slimecore.routing_replay import FLAG, NO_ROUTING_COLUMN, R2_FLAG, records, replays
-from slimecore.trainers.backend import (MicroBatchFn, ReferenceCopy, add_up, load_rng, lr_lambda, missing_reference,
+from slimecore.trainers.backend import (REFERENCE, MicroBatchFn, ReferenceCopy, add_up, kept_copy, load_rng, lr_lambda,
                                         save_rng, training_device)
 from slimecore.trainers.megatron_model import (CHECKPOINT_META, BridgedModel, MegatronSetupError, check_shape,
                                                find_bridge, init_parallel, per_segment_attention, read_checkpoint_meta,
@@ -225,7 +228,7 @@ class MegatronBackend:
     own groups from the world group."""
 
     def __init__(self, config, hooks, *, rank: int = 0, world_size: int = 1, value_model: bool = False,
-                 keep_reference: bool = False):
+                 keep_reference: bool = False, other_weights: dict[str, str] | None = None):
         from megatron.core import parallel_state
         from megatron.core.distributed import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -255,7 +258,12 @@ class MegatronBackend:
                                   or config.expert_model_parallel_size > 1)
         if config.ref_load:  # slime's --ref-load: the reference policy, and the starting weights unless --load resumes
             self._load_reference_checkpoint(hooks, Path(config.ref_load))
-        self._reference = ReferenceCopy(self.modules.named_parameters()) if keep_reference else None
+        # column -> the weights it is scored under (reference_weights): the reference, other checkpoints read as
+        # --ref-load is (the starting weights put back after each)
+        self._kept = {REFERENCE: ReferenceCopy(self.modules.named_parameters())} if keep_reference else {}
+        for column, checkpoint in (other_weights or {}).items():
+            self._kept[column] = ReferenceCopy.of_loaded(self.modules.named_parameters, functools.partial(
+                self._load_reference_checkpoint, hooks, Path(checkpoint), f"the {column} checkpoint"))
         passed = {"optimizer": "adam", **megatron_overrides(config, "optimizer")}  # e.g. --optimizer sgd
         optimizer_config = OptimizerConfig(
             **passed, lr=config.lr, min_lr=config.min_lr, weight_decay=config.weight_decay,
@@ -277,17 +285,17 @@ class MegatronBackend:
         self.router_replay = MegatronRouterReplay(self.chunks, config) if replays(config) else None
         self.records = self.router_replay is not None and records(config)
 
-    def _load_reference_checkpoint(self, hooks, path: Path) -> None:
-        """``--ref-load``: a torch_dist checkpoint of this model (``megatron_checkpoint.json``: a megatron save's
-        role folder, or ``slime-core convert hf-to-megatron``), or an HF directory of the same shape."""
+    def _load_reference_checkpoint(self, hooks, path: Path, what: str = "--ref-load") -> None:
+        """``--ref-load`` (or ``what``): a torch_dist checkpoint of this model (``megatron_checkpoint.json``: a megatron
+        save's role folder, or ``slime-core convert hf-to-megatron``), or an HF directory of the same shape."""
         if (path / CHECKPOINT_META).is_file():
-            check_shape(read_checkpoint_meta(path), self.model.bridge, f"--ref-load {path}")
+            check_shape(read_checkpoint_meta(path), self.model.bridge, f"{what} {path}")
             self.model.load_torch_dist(path)
             return
         from transformers import AutoConfig
 
         check_shape({"shape": shape_dict(find_bridge(self.config, hooks, AutoConfig.from_pretrained(path)))},
-                    self.model.bridge, f"--ref-load {path}")
+                    self.model.bridge, f"{what} {path}")
         self.model.runtime.load_hf_weights(self.chunks, str(path))
 
     # -- forward and backward --------------------------------------------------------------------
@@ -394,13 +402,12 @@ class MegatronBackend:
         return box[0]
 
     @contextlib.contextmanager
-    def reference_weights(self):
-        """The initial weights swapped in for one forward, the current ones restored after; the reference's MoE
-        routers choose their own experts (no routing replay), as slime's reference does."""
-        if self._reference is None:
-            raise missing_reference()
+    def reference_weights(self, column: str = REFERENCE):
+        """The initial weights (or ``column``'s, ``other_weights``) swapped in for one forward, the current ones
+        restored after; their MoE routers choose their own experts (no routing replay), as slime's reference does."""
+        copy = kept_copy(self._kept, column)
         with self.router_replay.own_choice() if self.router_replay else contextlib.nullcontext():
-            with self._reference.swapped_in(self.modules.named_parameters):
+            with copy.swapped_in(self.modules.named_parameters):
                 yield
 
     # -- the optimizer -------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """One rollout's training on one rank, the same for every backend.
 
 ``Trainer.train`` pre-computes the inputs the plugins ask for (``slime_train_inputs``: log-probs, entropies,
-reference log-probs, a value role's old values), calls ``slime_compute_advantages`` and
+reference and ``slime_scoring_weights`` log-probs, a value role's old values), calls ``slime_compute_advantages`` and
 ``slime_rollout_data_postprocess``, then takes one optimizer step per entry of the rank's schedule
 (``data["steps"]``, built by the rollout manager: ``slimecore.rollout.schedule``). Each step runs the
 backend over the step's micro-batches; for each one it calls ``slime_loss`` with a ``Reducer`` whose shares
@@ -19,7 +19,7 @@ import torch
 
 from slimecore.ops.reducers import Reducer, make_sample_mean_reducer, make_token_mean_reducer
 from slimecore.routing_replay import records
-from slimecore.trainers.backend import TrainBackend, backend_class
+from slimecore.trainers.backend import REFERENCE, TrainBackend, backend_class
 from slimecore.trainers.flops import forward_flops
 from slimecore.trainers.roles import role_config
 
@@ -43,10 +43,12 @@ class Trainer:
         self.config, self.hooks, self.role = config, hooks, role
         self.is_value = spec.model == "value"
         # Taken when the backend is built, before any load(): the reference policy is the initial checkpoint.
-        keep_reference = not self.is_value and "ref_log_probs" in hooks.slime_train_inputs(config=config, role=role)
+        keep_reference = not self.is_value and REFERENCE in hooks.slime_train_inputs(config=config, role=role)
+        # {column: checkpoint}: log-prob columns scored under other weights, each kept as a CPU copy by the backend
+        self.other_weights = {} if self.is_value else hooks.slime_scoring_weights(config=config, role=role)
         self.backend: TrainBackend = backend_class(backend or config.train_backend)(
             config, hooks, rank=rank, world_size=world_size, value_model=self.is_value, keep_reference=keep_reference,
-            **options)
+            other_weights=self.other_weights, **options)
         self.outputs: dict = {}  # per-sample results another role needs (the actor's returns, for the critic)
         # --use-routing-replay (R2): the old-policy pass records the routing that the training steps replay
         self.records_routing = not self.is_value and records(config)
@@ -127,10 +129,10 @@ class Trainer:
                     raise ValueError(f"--use-routing-replay: the {type(self.backend).__name__} backend recorded no "
                                      "routing in the old-policy pass (docs/backends.md)")
                 batch["rollout_routed_experts"] = scored.get("routed_experts", [])
-        if "ref_log_probs" in inputs:
-            with self.backend.reference_weights():
-                batch["ref_log_probs"] = self.score(data, temperature)["log_probs"]
-        if inputs & {"log_probs", "entropy", "ref_log_probs"} or self.records_routing:
+        for column in ([REFERENCE] if REFERENCE in inputs else []) + list(self.other_weights):
+            with self.backend.reference_weights(column):
+                batch[column] = self.score(data, temperature)["log_probs"]
+        if inputs & {"log_probs", "entropy", REFERENCE} or self.other_weights or self.records_routing:
             metrics["perf/log_probs_time"] = time.perf_counter() - start
         # The engine/trainer log-prob mismatch is measured on the pre-update policy: on the recomputed
         # log-probs when a plugin asked for them, otherwise on the first optimizer step's own forward

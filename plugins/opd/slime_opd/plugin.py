@@ -17,6 +17,11 @@ Where each part runs:
   a wrapper around ``slime_loss`` reports its mean as ``train/opd_reverse_kl`` (slime's metric: the student's
   sampled-token reverse KL to the teacher). ``--opd-only`` zeroes the task reward's advantage (pure
   distillation, as slime's OPD example returns 0 rewards).
+
+A teacher in the trainer instead (``--opd-teacher-load CKPT``, slime's ``--opd-type megatron``): a checkpoint of the
+student's architecture that every train rank keeps as a CPU copy and scores the batch with in its no-grad pass
+(``slime_scoring_weights``: the core fills ``teacher_log_probs`` before the advantages); no teacher engines and no
+rollout-time scoring, the same advantage term and metrics (not the per-teacher rollout metric, nor top-k OPD).
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ import logging
 from pathlib import Path
 
 from slimecore import hookimpl
-from slimecore.config import Config, ConfigError, Option
+from slimecore.config import Config, ConfigError, Option, check_weights_dir
 from slimecore.types import Status
 from slime_opd.distill import (DEFAULT_TEACHER, STRATEGIES, WEIGHT_MODES, TeacherError, needs_student_top,
                                needs_teacher_top, parse_teacher_urls, position_maps, route, sampled_log_probs,
@@ -48,6 +53,10 @@ def slime_options():
     return [
         Option("opd_teacher", str, None, "Teachers the run starts, NAME=HF_CHECKPOINT (a bare path is the "
                "'default' teacher); served by the policy's engine kind (--rollout-engine).", nargs="+"),
+        Option("opd_teacher_load", str, None, "The teacher in the trainer (slime's --opd-type megatron): a "
+               "checkpoint of the student's architecture (an HF directory; on --train-backend megatron also a "
+               "torch_dist one) that each train rank keeps as a CPU copy (one more copy of the model in host "
+               "memory) and runs forward over the batch once a step; no teacher engines."),
         Option("opd_teacher_urls", str, None, "External teachers, NAME=URL (SGLang servers or routers; Miles' "
                "flag). 'default' takes samples whose teacher name is missing or unknown.", nargs="+"),
         Option("opd_teacher_key", str, "opd_teacher", "Sample metadata key naming a sample's teacher."),
@@ -90,9 +99,18 @@ def teacher_specs(o) -> tuple[dict[str, str], dict[str, str]]:
 def slime_validate_config(config):
     o = config.plugin(NAME)
     started, external = teacher_specs(o)
-    if not started and not external:
-        raise ConfigError("--plugin opd needs a teacher: --opd-teacher NAME=HF_CHECKPOINT (the run starts it) or "
-                          "--opd-teacher-urls NAME=URL (a running SGLang server)")
+    if not started and not external and not o.opd_teacher_load:
+        raise ConfigError("--plugin opd needs a teacher: --opd-teacher NAME=HF_CHECKPOINT (the run starts it), "
+                          "--opd-teacher-urls NAME=URL (a running SGLang server) or --opd-teacher-load CKPT (in the "
+                          "trainer)")
+    if o.opd_teacher_load:
+        if started or external:
+            raise ConfigError("--opd-teacher-load (the teacher in the trainer) and --opd-teacher / --opd-teacher-urls "
+                              "(teachers served by engines) exclude each other; keep one")
+        if o.opd_log_prob_top_k:
+            raise ConfigError("--opd-log-prob-top-k with --opd-teacher-load: the trainer's teacher scores the sampled "
+                              "token only; top-k OPD needs --opd-teacher or --opd-teacher-urls")
+        check_weights_dir(config, "--opd-teacher-load", o.opd_teacher_load)
     for name, path in started.items():
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"--opd-teacher {name}={path}: no config.json there; give an HF checkpoint directory")
@@ -218,7 +236,7 @@ def fail(sample, why: str) -> None:
 def slime_generate(config, sample, sampling_params, client, evaluation):
     """Score each finished training sample as soon as its generate hook returns it (see the module docstring)."""
     answer = yield
-    if evaluation:
+    if evaluation or config.plugin(NAME).opd_teacher_load:  # the trainer's teacher scores in the train step
         return answer
 
     async def scored():
@@ -254,6 +272,13 @@ def slime_post_process_rewards(config, samples):
 
 
 # -- train process ------------------------------------------------------------------------------------------------
+
+@hookimpl
+def slime_scoring_weights(config, role):
+    """--opd-teacher-load: the trainer fills ``teacher_log_probs`` with the teacher's log-probs."""
+    load = config.plugin(NAME).opd_teacher_load
+    return {"teacher_log_probs": load} if role == "actor" and load else {}
+
 
 @hookimpl
 def slime_train_inputs(config, role):

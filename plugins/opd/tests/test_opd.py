@@ -115,14 +115,35 @@ def test_flags_are_checked_before_ray(tmp_path, tiny_hf_checkpoint):
         hooks.slime_validate_config(config=config)
 
     validate(opd_teacher=[f"a={tiny_hf_checkpoint}"], opd_teacher_urls=["b=http://127.0.0.1:1"])
+    validate(opd_teacher_load=str(tiny_hf_checkpoint))
+    in_trainer = {"opd_teacher_load": str(tiny_hf_checkpoint)}
     for options, match in (({}, "needs a teacher"),
+                           (in_trainer | {"opd_teacher_urls": ["a=http://h"]}, "^--opd-teacher-load \\(the teacher in "
+                            "the trainer\\) and --opd-teacher / --opd-teacher-urls .* exclude each other; keep one$"),
+                           (in_trainer | {"opd_teacher": [f"a={tiny_hf_checkpoint}"]}, "exclude each other"),
+                           (in_trainer | {"opd_log_prob_top_k": 4}, "^--opd-log-prob-top-k with --opd-teacher-load: "
+                            "the trainer's teacher scores the sampled token only"),
+                           ({"opd_teacher_load": str(tmp_path)},
+                            f"^--opd-teacher-load {tmp_path}: not an HF checkpoint directory"),
                            ({"opd_teacher": [str(tmp_path)]}, "no config.json"),
                            ({"opd_teacher": [f"a={tiny_hf_checkpoint}"], "opd_teacher_urls": ["a=http://h"]},
                             "both --opd-teacher and --opd-teacher-urls"),
                            ({"opd_teacher_urls": ["a=http://h"], "opd_kl_coef": 0.0}, "--opd-kl-coef must be > 0"),
                            ({"opd_teacher_urls": ["a=http://h"], "opd_log_prob_top_k": 4}, "--rollout-engine sglang")):
-        with pytest.raises(ConfigError, match=match):
+        with pytest.raises(ConfigError, match=match) as err:
             validate(**options)
+        assert "\n" not in str(err.value)
+
+
+def test_a_trainer_teacher_is_the_trainers_column(tiny_hf_checkpoint):
+    """--opd-teacher-load: the actor's trainer is asked to fill teacher_log_probs (slime_scoring_weights); no teacher
+    engine is started."""
+    hooks = load_plugins(["opd"])
+    config = _config(opd_teacher_load=str(tiny_hf_checkpoint))
+    assert hooks.slime_scoring_weights(config=config, role="actor") == {"teacher_log_probs": str(tiny_hf_checkpoint)}
+    assert hooks.slime_scoring_weights(config=config, role="critic") == {}
+    assert hooks.slime_scoring_weights(config=_config(opd_teacher_urls=["a=http://h"]), role="actor") == {}
+    assert plugin.teacher_specs(config.plugin("opd")) == ({}, {})  # slime_startup starts no engine
 
 
 def test_request_bodies_are_sglang_generate_requests():

@@ -1,5 +1,6 @@
 """End to end: ``slime-core train --plugin grpo --plugin opd --opd-only`` distils a tiny student toward a different
-tiny teacher the run starts itself, or toward two teachers routed by each prompt's metadata, through the whole loop
+tiny teacher the run starts itself, or toward two teachers routed by each prompt's metadata, or toward a teacher in the
+trainer (``--opd-teacher-load``), through the whole loop
 (Ray, router, embedded engines, fsdp trainer): the student's sampled-token reverse KL (``train/opd_reverse_kl``, and
 ``rollout/opd_reverse_kl/<teacher>`` on each teacher's samples) falls, and so does the exact KL of its next-token
 distribution to each teacher's on that teacher's prompts (computed here with transformers). Routing to external
@@ -95,9 +96,10 @@ def _train(student, prompts, log_dir, *teacher_args, extra=()) -> list[dict]:
 
 def _assert_distilled(steps, student, final, teachers, prompts, metric_names):
     """The logged reverse KL falls, over all samples and on each teacher's routed samples
-    (``rollout/opd_reverse_kl/<teacher>``), and so does the exact next-token KL to each teacher on its prompts."""
+    (``rollout/opd_reverse_kl/<teacher>``, for the teachers ``metric_names`` names), and so does the exact next-token
+    KL to each teacher on its prompts."""
     assert all(m["rollout/opd_teacher_failures"] == 0 for m in steps)
-    for key in ["train/opd_reverse_kl", *(f"rollout/opd_reverse_kl/{metric_names[name]}" for name in teachers)]:
+    for key in ["train/opd_reverse_kl", *(f"rollout/opd_reverse_kl/{metric_names[name]}" for name in metric_names)]:
         kl = [m[key] for m in steps]
         first, last = statistics.fmean(kl[:4]), statistics.fmean(kl[-4:])
         assert last < 0.6 * first, (key, [round(x, 3) for x in kl])
@@ -106,10 +108,11 @@ def _assert_distilled(steps, student, final, teachers, prompts, metric_names):
         assert after[name] < 0.7 * before[name], (name, before, after)
 
 
-@pytest.mark.parametrize("routed", ["one teacher", "two routed teachers"])
+@pytest.mark.parametrize("routed", ["one teacher", "two routed teachers", "the trainer's teacher"])
 def test_student_moves_toward_its_teachers(models, tmp_path, routed):
     """One teacher (a bare path: the ``default`` teacher) on "which number" prompts, or teachers ``a`` and ``b``
-    routed by each row's ``metadata["opd_teacher"]`` over both kinds of prompts, 8 prompts a step (4 per teacher).
+    routed by each row's ``metadata["opd_teacher"]`` over both kinds of prompts, 8 prompts a step (4 per teacher),
+    or teacher ``a`` in the trainer (``--opd-teacher-load``: no teacher engine; no per-teacher rollout metric).
     With 4 a step at this learning rate, teacher a's larger pull on the shared tiny student first raised its KL to b
     on b's prompts (b 0.47 -> 0.83 while a fell, over ~60 steps, before both fell): the flat mean of an earlier
     30-step run, not a routing fault."""
@@ -118,6 +121,10 @@ def test_student_moves_toward_its_teachers(models, tmp_path, routed):
         steps = _train(student, prompts["a"], tmp_path / "run", "--opd-teacher", str(teachers["a"]))
         _assert_distilled(steps, student, tmp_path / "run" / "final", {"a": teachers["a"]}, prompts["a"],
                           {"a": "default"})
+    elif routed == "the trainer's teacher":
+        steps = _train(student, prompts["a"], tmp_path / "run", "--opd-teacher-load", str(teachers["a"]))
+        assert not any(key.startswith("rollout/opd_reverse_kl/") for m in steps for key in m)
+        _assert_distilled(steps, student, tmp_path / "run" / "final", {"a": teachers["a"]}, prompts["a"], {})
     else:
         steps = _train(student, prompts["ab"], tmp_path / "run", "--opd-teacher", f"a={teachers['a']}",
                        f"b={teachers['b']}", extra=["--rollout-batch-size", "8"])

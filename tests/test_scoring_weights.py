@@ -1,0 +1,128 @@
+"""``slime_scoring_weights``: a plugin names ``{column: checkpoint}`` and the trainer fills the column with that
+checkpoint's log-probs in its no-grad pass, before ``slime_compute_advantages``, from a CPU copy swapped into the
+policy's model (as the reference policy's): the column equals the checkpoint's own log-probs computed with
+transformers, the reference still scores as before beside it, and the policy's weights are untouched by the pass.
+On fsdp here, on megatron under the CPU shim of tests/megatron (``tests/megatron/scoring_checks.py``)."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from slimecore import hookimpl
+from slimecore.config import Config, ConfigError
+from slimecore.errors import PluginError
+from slimecore.plugins import load_plugins
+from slimecore.trainers.trainer import Trainer
+
+sys.path.insert(0, str(Path(__file__).parent / "megatron"))
+import megatron_checks  # noqa: E402  (no megatron import at module level)
+import scoring_checks  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def student_and_teacher(tmp_path_factory):
+    """Two tiny Qwen3 checkpoints of one shape and different weights."""
+    from slimecore.testing.tiny import make_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("scoring")
+    return make_tiny_checkpoint(root / "student", "qwen3", seed=0), make_tiny_checkpoint(root / "teacher", "qwen3",
+                                                                                         seed=1)
+
+
+def _max_diff(a, b) -> float:
+    return max(float((x.float() - y.float()).abs().max()) for x, y in zip(a, b, strict=True))
+
+
+def test_fsdp_fills_the_column_with_the_checkpoints_log_probs(student_and_teacher):
+    """fp32 to 1e-5 against transformers, before and after an optimizer step (the swap leaves nothing behind); the
+    reference (initial weights) beside it; the student's weights exactly as they were after the no-grad pass."""
+    student, teacher = student_and_teacher
+    plugin = scoring_checks.Recorder(str(teacher))
+    config = Config.make(hf_checkpoint=str(student), lr=1e-2, rollout_temperature=0.7)
+    trainer = Trainer(config, load_plugins([], extra=[plugin], defaults=False), backend="fsdp")
+    data = megatron_checks.rank_part(megatron_checks.synthetic_batch(), 1, 0)
+    before = {k: p.detach().clone() for k, p in trainer.backend.model.named_parameters()}
+    trainer.train(0, copy.deepcopy(data), update=False)
+    after = dict(trainer.backend.model.named_parameters())
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    teacher_hf, _ = megatron_checks.hf_response_log_probs(str(teacher), data, 0.7)
+    student_hf, _ = megatron_checks.hf_response_log_probs(str(student), data, 0.7)
+    [batch] = plugin.seen
+    assert _max_diff(batch["teacher_log_probs"], teacher_hf) < 1e-5
+    assert _max_diff(batch["ref_log_probs"], student_hf) < 1e-5
+    assert _max_diff(batch["log_probs"], student_hf) < 1e-5
+    assert _max_diff(teacher_hf, student_hf) > 0.05  # the two checkpoints differ
+
+    trainer.train(1, copy.deepcopy(data))  # an optimizer step moves the student ...
+    trainer.train(2, copy.deepcopy(data), update=False)
+    moved = plugin.seen[-1]
+    assert _max_diff(moved["log_probs"], student_hf) > 1e-3
+    assert _max_diff(moved["teacher_log_probs"], teacher_hf) < 1e-5  # ... not the teacher
+    assert _max_diff(moved["ref_log_probs"], student_hf) < 1e-5  # nor the reference
+
+
+def test_fsdp2_ranks_keep_their_shards_of_the_checkpoint(student_and_teacher):
+    """Two FSDP2 ranks (gloo): the checkpoint is read collectively into each rank's shards; each rank's column equals
+    transformers' log-probs of its own samples."""
+    from slimecore.testing.distributed import run_ranks
+
+    student, teacher = student_and_teacher
+    for r in run_ranks(scoring_checks.fsdp_sharded_scoring, str(student), str(teacher), world=2, timeout=300):
+        assert r["sharded"] and r["student_unchanged"], r
+        assert r["teacher_vs_hf"] < 1e-5 and r["reference_vs_hf"] < 1e-5, r
+
+
+def test_columns_the_trainer_fills_or_two_plugins_name_are_refused(student_and_teacher):
+    student, teacher = student_and_teacher
+    config = Config.make(hf_checkpoint=str(student))
+
+    class Other:
+        def __init__(self, column, name="other"):
+            self.column, self.__name__ = column, name  # the plugin's name
+
+        @hookimpl
+        def slime_scoring_weights(self, config, role):
+            return {self.column: str(teacher)}
+
+    for extra, message in (([Other("ref_log_probs")], "names column 'ref_log_probs', which the trainer fills"),
+                           ([Other("t", "a"), Other("t", "b")],
+                            "plugins 'b' and 'a' both ask slime_scoring_weights for column 't'")):
+        hooks = load_plugins([], extra=extra, defaults=False)
+        with pytest.raises(PluginError, match=message):
+            hooks.slime_scoring_weights(config=config, role="actor")
+
+
+def test_a_checkpoint_of_another_architecture_is_refused_before_ray(student_and_teacher, tmp_path):
+    from slimecore.testing.tiny import make_tiny_checkpoint
+    from slimecore.trainers.backend import check_scoring_weights
+
+    student, _ = student_and_teacher
+    wider = make_tiny_checkpoint(tmp_path / "wider", "qwen3", hidden=96, seed=2)
+    hooks = load_plugins([], extra=[scoring_checks.Recorder(str(wider))], defaults=False)
+    with pytest.raises(ConfigError, match=r"the teacher_log_probs checkpoint \(slime_scoring_weights\) .* is not of "
+                                          r"the policy's architecture .*: hidden_size 96 \(the policy's 64\)"):
+        check_scoring_weights(Config.make(hf_checkpoint=str(student)), hooks)
+    hooks = load_plugins([], extra=[scoring_checks.Recorder(str(tmp_path))], defaults=False)
+    with pytest.raises(ConfigError, match="not an HF checkpoint directory"):
+        check_scoring_weights(Config.make(hf_checkpoint=str(student)), hooks)
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("megatron.core", "mbridge", "slime_models")),
+                    reason="needs megatron-core, mbridge and the models plugin")
+def test_megatron_fills_the_column_with_the_checkpoints_log_probs(student_and_teacher, tmp_path):
+    """The same on the megatron backend (CPU shim), with the teacher as an HF directory and as a torch_dist one."""
+    from slimecore.testing.distributed import run_ranks
+
+    student, teacher = student_and_teacher
+    [r] = run_ranks(scoring_checks.megatron_scoring, str(student), str(teacher), str(tmp_path / "teacher_dist"),
+                    world=1, timeout=300)
+    for source in ("hf", "torch_dist"):
+        got = r[source]
+        assert got["teacher_vs_hf"] < 1e-5 and got["reference_vs_hf"] < 1e-5, r
+        assert got["student_unchanged"] and got["teacher_vs_student"] > 0.05, r
