@@ -196,3 +196,35 @@ def load(config, train_groups: dict, rollout_manager) -> tuple[int, int]:
 
 
 __all__ = ["save", "load", "latest_complete", "resume_point", "ResumePoint", "set_aside_incomplete", "iteration_dir", "atomic_write_text", "prune", "save_final"]
+
+
+def megatron_lm_checkpoint(path: str | Path) -> Path | None:
+    """The ``dist_checkpointing`` folder of a Megatron-LM checkpoint at ``path`` (what Megatron-LM's save_checkpoint and
+    slime's tools/convert_hf_to_torch_dist.py write): a root whose ``latest_checkpointed_iteration.txt`` holds an
+    iteration N (``iter_{N:07d}/``) or ``release`` (``release/``), or such a folder given directly (it holds
+    ``metadata.json``). None when ``path`` is neither; ValueError (the path and what to do, no flag) when the tracker
+    is unreadable or names a folder that is missing or no torch_dist checkpoint."""
+    path = Path(path)
+    if (path / "metadata.json").is_file() and (path.name == "release" or path.name.startswith("iter_")):
+        return path
+    tracker = path / MARKER
+    if not tracker.is_file():
+        return None
+    text = tracker.read_text().strip()
+    if text == "release":
+        folder = path / "release"
+    else:
+        try:
+            folder = iteration_dir(path, int(text))
+        except ValueError:
+            raise ValueError(f"a Megatron-LM checkpoint root whose {MARKER} holds {text[:40]!r}, neither an "
+                             "iteration number nor 'release'; write the iteration to load there, or give its "
+                             "iter_NNNNNNN folder") from None
+    if not (folder / "metadata.json").is_file():
+        if (folder / "actor").is_dir():  # slime-core's own save: iter_N/ holds one folder per role
+            raise ValueError(f"a slime-core checkpoint root ({folder.name} holds a folder per role); give the "
+                             f"role's folder, {folder / 'actor'}")
+        raise ValueError(f"a Megatron-LM checkpoint root whose {MARKER} names {folder.name}, which " + (
+            "holds no torch_dist checkpoint (no metadata.json)" if folder.is_dir() else "does not exist")
+            + "; point the tracker at a saved iteration, or give that iteration's folder")
+    return folder

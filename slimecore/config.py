@@ -853,16 +853,31 @@ def check_ref_load(c: Config) -> None:
 
 def check_weights_dir(c: Config, what: str, checkpoint: str) -> bool:
     """``checkpoint`` (given by ``what``) is one the backend reads as weights of the policy's architecture, as it reads
-    ``--ref-load``: an HF directory, or on megatron also a torch_dist one. Returns whether it is an HF directory."""
+    ``--ref-load``: an HF directory, or on megatron also a torch_dist one (slime-core's, or a Megatron-LM checkpoint
+    root or iteration folder: ``slimecore.checkpoint.megatron_lm_checkpoint``). Returns whether it is an HF
+    directory."""
+    from slimecore.checkpoint import megatron_lm_checkpoint
+
     path = Path(checkpoint)
     hf, torch_dist = (path / "config.json").is_file(), (path / "megatron_checkpoint.json").is_file()
-    if not (hf or (torch_dist and c.train_backend == "megatron")):
-        raise ConfigError(f"{what} {path}: " + ("a torch_dist checkpoint, which --train-backend fsdp cannot read; "
-                          "convert it with `slime-core convert megatron-to-hf`, or use --train-backend megatron"
-                          if torch_dist else "not an HF checkpoint directory (no config.json)"
-                          + (" nor a torch_dist one (no megatron_checkpoint.json)" if c.train_backend == "megatron"
-                             else "")))
-    return hf
+    if hf or torch_dist:
+        if not hf and c.train_backend != "megatron":
+            raise ConfigError(f"{what} {path}: a torch_dist checkpoint, which --train-backend fsdp cannot read; "
+                              "convert it with `slime-core convert megatron-to-hf`, or use --train-backend megatron")
+        return hf
+    try:
+        megatron_lm = megatron_lm_checkpoint(path)
+    except ValueError as exc:
+        raise ConfigError(f"{what} {path}: {exc}") from None
+    if megatron_lm is None:
+        raise ConfigError(f"{what} {path}: not an HF checkpoint directory (no config.json)" + (
+            " nor a torch_dist one (no megatron_checkpoint.json, no latest_checkpointed_iteration.txt)"
+            if c.train_backend == "megatron" else ""))
+    if c.train_backend != "megatron":
+        raise ConfigError(f"{what} {path}: a Megatron-LM checkpoint ({megatron_lm.name}), which --train-backend fsdp "
+                          "cannot read; convert it with `slime-core convert megatron-to-hf --load "
+                          f"{path} --hf-checkpoint HF_DIR --output OUT`, or use --train-backend megatron")
+    return False
 
 
 def may_have_gpus() -> bool:

@@ -272,27 +272,34 @@ def hf_to_megatron(hf_dir: str | Path, save: str | Path, hooks, preset: str | No
 
 
 def check_megatron_to_hf(load: str | Path, hf_dir: str | Path, hooks):
-    """Checks of ``megatron-to-hf`` that need no Megatron; returns (config, meta)."""
-    from slimecore.trainers.megatron_model import check_shape, read_checkpoint_meta
+    """Checks of ``megatron-to-hf`` that need no Megatron; returns (config, meta). ``load`` is a checkpoint of the
+    megatron backend or ``hf-to-megatron`` (``megatron_checkpoint.json``; meta is what it records) or a Megatron-LM
+    one (a root with ``latest_checkpointed_iteration.txt``, or an ``iter_N`` / ``release`` folder; meta is None: it
+    records no shape, and its keys and shapes are checked against the model when it loads)."""
+    from slimecore.checkpoint import megatron_lm_checkpoint
+    from slimecore.trainers.megatron_model import CHECKPOINT_META, check_shape, read_checkpoint_meta
 
     load, hf_dir = Path(load), Path(hf_dir)
+    meta = None
     try:
-        meta = read_checkpoint_meta(load)
-    except FileNotFoundError as exc:
-        raise ConvertError(str(exc)) from None
+        if (load / CHECKPOINT_META).is_file() or megatron_lm_checkpoint(load) is None:
+            meta = read_checkpoint_meta(load)
+    except (FileNotFoundError, ValueError) as exc:
+        raise ConvertError(f"--load {load}: {exc}" if isinstance(exc, ValueError) else str(exc)) from None
     hf_config = _load_hf_config(hf_dir)
     config = _parallel_config(hf_dir, 1, 1, 1)
     shape = _bridge(hooks, config, hf_config, hf_dir)
-    try:
-        check_shape(meta, shape, str(load))
-    except ValueError as exc:
-        raise ConvertError(f"{exc}; pass the --hf-checkpoint of the model that was trained") from None
+    if meta is not None:
+        try:
+            check_shape(meta, shape, str(load))
+        except ValueError as exc:
+            raise ConvertError(f"{exc}; pass the --hf-checkpoint of the model that was trained") from None
     return config, meta
 
 
 def megatron_to_hf(load: str | Path, hf_dir: str | Path, output: str | Path, hooks,
                    shard_bytes: int = 5 << 30) -> Path:
-    config, _ = check_megatron_to_hf(load, hf_dir, hooks)
+    config, meta = check_megatron_to_hf(load, hf_dir, hooks)
     load, hf_dir, output = Path(load), Path(hf_dir), Path(output)
     if output.exists() and any(output.glob("*.safetensors")):
         raise ConvertError(f"{output} already holds *.safetensors; give an empty output directory")
@@ -304,7 +311,12 @@ def megatron_to_hf(load: str | Path, hf_dir: str | Path, output: str | Path, hoo
     rank, world = _world()
     init_parallel(config, rank, world)
     model = BridgedModel.build(config, hooks, str(hf_dir), load_weights=False)
-    model.load_torch_dist(load)
+    if meta is None:  # a Megatron-LM checkpoint
+        from slimecore.checkpoint import megatron_lm_checkpoint
+
+        model.load_megatron_lm(megatron_lm_checkpoint(load), f"--load {load}")
+    else:
+        model.load_torch_dist(load)
     shards = []
     for bucket in bucketize(model.hf_weights(), shard_bytes):  # collective: every rank iterates
         if rank == 0:

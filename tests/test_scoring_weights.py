@@ -116,13 +116,75 @@ def test_a_checkpoint_of_another_architecture_is_refused_before_ray(student_and_
 @pytest.mark.skipif(any(importlib.util.find_spec(m) is None for m in ("megatron.core", "mbridge", "slime_models")),
                     reason="needs megatron-core, mbridge and the models plugin")
 def test_megatron_fills_the_column_with_the_checkpoints_log_probs(student_and_teacher, tmp_path):
-    """The same on the megatron backend (CPU shim), with the teacher as an HF directory and as a torch_dist one."""
+    """The same on the megatron backend (CPU shim), with the teacher as an HF directory, a torch_dist one and a
+    Megatron-LM checkpoint root (slime's tools/convert_hf_to_torch_dist.py: a ``release`` one), the reference by
+    ``--ref-load`` of another Megatron-LM root (``iter_0000003``, the tracker's) holding the teacher's weights;
+    a Megatron-LM checkpoint of another architecture or size is one line naming the flag, keys and cause."""
     from slimecore.testing.distributed import run_ranks
 
     student, teacher = student_and_teacher
     [r] = run_ranks(scoring_checks.megatron_scoring, str(student), str(teacher), str(tmp_path / "teacher_dist"),
                     world=1, timeout=300)
-    for source in ("hf", "torch_dist"):
+    for source in ("hf", "torch_dist", "megatron_lm"):
         got = r[source]
-        assert got["teacher_vs_hf"] < 1e-5 and got["reference_vs_hf"] < 1e-5, r
+        assert got["teacher_vs_hf"] < 1e-5 and got["reference_vs_hf"] < 1e-5 and got["policy_vs_hf"] < 1e-5, r
         assert got["student_unchanged"] and got["teacher_vs_student"] > 0.05, r
+    architecture, size = r.get("architecture_refusal", ""), r.get("size_refusal", "")
+    assert "\n" not in architecture + size, r
+    assert architecture.startswith(f"--ref-load {tmp_path / 'no_qk'}: the checkpoint {tmp_path / 'no_qk'}/iter_0000003 "
+                                   "does not match the model: missing from it: "
+                                   "decoder.layers.self_attention.k_layernorm.weight, "
+                                   "decoder.layers.self_attention.q_layernorm.weight. Likely cause: it was saved for "
+                                   "another architecture"), architecture
+    assert size.startswith(f"--ref-load {tmp_path / 'wider'}: the checkpoint"), size
+    assert "shapes differ: decoder.final_layernorm.weight (96,) in the checkpoint, (64,) in the model" in size, size
+    assert "another model size" in size and "optimizer" not in architecture + size, r
+
+
+def test_megatron_lm_checkpoint_roots_are_recognised_or_refused_before_ray(student_and_teacher, tmp_path):
+    """A Megatron-LM root (tracker -> iter_N or release, the folder holding metadata.json) or its folder given
+    directly passes --ref-load's and --opd-teacher-load's check on megatron; a tracker naming a missing folder, a
+    slime-core save root, and any of them on fsdp are one line naming the flag, the path and what to do."""
+    from slimecore.checkpoint import megatron_lm_checkpoint
+    from slimecore.config import check_ref_load
+
+    student, _ = student_and_teacher
+    root, released, missing, ours = (tmp_path / n for n in ("root", "released", "missing", "ours"))
+    for folder in (root / "iter_0000003", released / "release", ours / "iter_0000002" / "actor"):
+        folder.mkdir(parents=True)
+        (folder / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    missing.mkdir()
+    for directory, text in ((root, "3\n"), (released, "release"), (missing, "7"), (ours, "2")):
+        (directory / "latest_checkpointed_iteration.txt").write_text(text)
+    assert megatron_lm_checkpoint(root) == root / "iter_0000003"
+    assert megatron_lm_checkpoint(released) == released / "release"
+    assert megatron_lm_checkpoint(root / "iter_0000003") == root / "iter_0000003"
+    assert megatron_lm_checkpoint(student) is None
+
+    opd = {o.name: o.default for o in load_plugins(["opd"]).slime_options()["opd"]}
+
+    def check(flag: str, backend: str, checkpoint) -> None:
+        if flag == "--ref-load":
+            check_ref_load(Config.make(hf_checkpoint=str(student), train_backend=backend, ref_load=str(checkpoint)))
+        else:
+            config = Config.make(plugins=["opd"], plugin_values={"opd": opd | {"opd_teacher_load": str(checkpoint)}},
+                                 hf_checkpoint=str(student), train_backend=backend)
+            load_plugins(["opd"]).slime_validate_config(config=config)
+
+    for checkpoint in (root, released, root / "iter_0000003"):
+        for flag in ("--ref-load", "--opd-teacher-load"):
+            check(flag, "megatron", checkpoint)
+    refusals = {
+        ("megatron", missing): "a Megatron-LM checkpoint root whose latest_checkpointed_iteration.txt names "
+                               "iter_0000007, which does not exist; point the tracker at a saved iteration",
+        ("megatron", ours): "a slime-core checkpoint root (iter_0000002 holds a folder per role); give the role's "
+                            f"folder, {ours / 'iter_0000002' / 'actor'}",
+        ("fsdp", root): "a Megatron-LM checkpoint (iter_0000003), which --train-backend fsdp cannot read; convert it "
+                        f"with `slime-core convert megatron-to-hf --load {root} --hf-checkpoint HF_DIR --output OUT`",
+    }
+    for (backend, checkpoint), message in refusals.items():
+        for flag in ("--ref-load", "--opd-teacher-load"):
+            with pytest.raises(ConfigError) as info:
+                check(flag, backend, checkpoint)
+            assert "\n" not in str(info.value) and str(info.value).startswith(
+                f"{flag} {checkpoint}: {message}"), str(info.value)

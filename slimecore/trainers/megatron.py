@@ -60,6 +60,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from slimecore.checkpoint import megatron_lm_checkpoint
 from slimecore.trainers.megatron_args import megatron_overrides
 from slimecore.ops.linear_logprobs import CHUNK_TOKENS, linear_log_probs_and_entropy
 from slimecore.routers import MegatronRouterReplay
@@ -287,10 +288,16 @@ class MegatronBackend:
 
     def _load_reference_checkpoint(self, hooks, path: Path, what: str = "--ref-load") -> None:
         """``--ref-load`` (or ``what``): a torch_dist checkpoint of this model (``megatron_checkpoint.json``: a megatron
-        save's role folder, or ``slime-core convert hf-to-megatron``), or an HF directory of the same shape."""
+        save's role folder, or ``slime-core convert hf-to-megatron``), a Megatron-LM one (a root with
+        ``latest_checkpointed_iteration.txt``, or its ``iter_N`` / ``release`` folder: slime's
+        tools/convert_hf_to_torch_dist.py), or an HF directory of the same shape."""
         if (path / CHECKPOINT_META).is_file():
             check_shape(read_checkpoint_meta(path), self.model.bridge, f"{what} {path}")
             self.model.load_torch_dist(path)
+            return
+        folder = None if (path / "config.json").is_file() else megatron_lm_checkpoint(path)
+        if folder is not None:
+            self.model.load_megatron_lm(folder, f"{what} {path}")
             return
         from transformers import AutoConfig
 

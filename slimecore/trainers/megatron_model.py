@@ -168,6 +168,69 @@ class BridgedModel:
         unwrap(self.chunks[0]).load_state_dict(loaded["model"])
         return loaded
 
+    def load_megatron_lm(self, folder: Path, where: str) -> None:
+        """The model's weights from a Megatron-LM checkpoint folder (``slimecore.checkpoint.megatron_lm_checkpoint``):
+        its sharded model tensors, resharded to this layout as ``load_torch_dist`` does, the sharded state dict built
+        with the content metadata the checkpoint was saved with (Megatron-LM's ``sharded_state_dict`` options). The
+        optimizer, RNG state and args in it are not read. A key or shape mismatch with this model is one
+        ``MegatronSetupError`` naming ``where`` (``check_sharded_keys``). Collective."""
+        from megatron.core import dist_checkpointing
+
+        if len(self.chunks) != 1:
+            raise MegatronSetupError("virtual pipeline stages are not supported")
+        gpt = unwrap(self.chunks[0])
+        metadata = dist_checkpointing.load_content_metadata(str(folder))
+        check_sharded_keys({"model": gpt.sharded_state_dict(metadata=metadata)}, folder, where)
+        loaded = dist_checkpointing.load({"model": gpt.sharded_state_dict(metadata=metadata)}, str(folder))
+        gpt.load_state_dict(loaded["model"])
+
+
+# sharded entries of a Megatron-LM checkpoint that are not the model's
+NOT_MODEL = ("optimizer.", "chained_", "rng_state")
+
+
+def check_sharded_keys(state: dict, folder: Path, where: str) -> None:
+    """Every sharded tensor of ``state`` is in the checkpoint ``folder`` with the same global shape, and the
+    checkpoint holds no model tensor ``state`` lacks; else one ``MegatronSetupError``: ``where``, the first missing
+    and unexpected keys or differing shapes, and the likely cause, before ``dist_checkpointing.load`` meets them.
+    Layer names need no mapping here: megatron-core's local layer spec already saves and loads its layer norms under
+    Transformer Engine's names (``sharded_state_dict_keys_map``)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+
+    # a ShardedObject (e.g. a layer's _extra_state) is stored per shard: "KEY/shard_<offsets>_<shape>"
+    saved = {k.split("/shard_")[0] if not isinstance(v, ShardedTensor) else k: v
+             for k, v in load_sharded_metadata(str(folder)).items()}
+    wanted, _, _ = load_preprocess(state)
+    ours = {sh.key: tuple(sh.global_shape) if isinstance(sh, ShardedTensor) else None for sh in nested_values(wanted)}
+    missing = sorted(k for k in ours if k not in saved)
+    unexpected = sorted(k for k in saved if k not in ours and not k.startswith(NOT_MODEL))
+    shapes = [f"{k} {tuple(saved[k].global_shape)} in the checkpoint, {ours[k]} in the model" for k in sorted(ours)
+              if k in saved and ours[k] is not None and isinstance(saved[k], ShardedTensor)
+              and tuple(saved[k].global_shape) != ours[k]]
+    if not (missing or unexpected or shapes):
+        return
+
+    def first(keys: list[str]) -> str:
+        return ", ".join(keys[:3]) + (f" (+{len(keys) - 3} more)" if len(keys) > 3 else "")
+
+    parts = ([f"missing from it: {first(missing)}"] if missing else []) + (
+        [f"not in the model: {first(unexpected)}"] if unexpected else []) + (
+        [f"shapes differ: {first(shapes)}"] if shapes else [])
+    if shapes:
+        cause = ("it was saved for another model size than --hf-checkpoint's config.json describes (hidden size, "
+                 "layers, heads, vocabulary)")
+    elif all("_extra_state" in k for k in missing + unexpected):
+        cause = "only the layers' extra state differs: it was saved by another layer implementation or megatron-core"
+    else:
+        cause = ("it was saved for another architecture or layer spec than this run builds from --hf-checkpoint's "
+                 "config.json (qk-norm, biases, tied embeddings, the MoE expert layout)")
+    raise MegatronSetupError(f"{where}: the checkpoint {folder} does not match the model: {'; '.join(parts)}. "
+                             f"Likely cause: {cause}. Pass the --hf-checkpoint of the model it holds, or write it "
+                             "from that model's HF weights with `slime-core convert hf-to-megatron`")
+
 
 def per_segment_attention(chunks: list) -> bool:
     """Without Transformer Engine: let the local attention of every layer take packed streams (``thd``, the
