@@ -335,8 +335,9 @@ def hf_to_megatron(ctx, hf_checkpoint, save, preset, tp, pp, ep, specs):
 
 
 @convert.command("megatron-to-hf")
-@click.option("--load", required=True, help="torch_dist checkpoint directory (hf-to-megatron output, or a "
-              "megatron-backend checkpoint such as SAVE/iter_0000009/actor).")
+@click.option("--load", required=True, help="torch_dist checkpoint directory (hf-to-megatron output, a "
+              "megatron-backend checkpoint such as SAVE/iter_0000009/actor, or a Megatron-LM checkpoint root: "
+              "slime's tools/convert_hf_to_torch_dist.py output).")
 @click.option("--hf-checkpoint", required=True, help="HF directory of the trained model: its config.json and "
               "tokenizer are copied next to the weights.")
 @click.option("--output", required=True, help="Output HF directory.")

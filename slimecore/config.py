@@ -263,7 +263,8 @@ CORE_OPTIONS: list[Option] = [
     _O("save_interval", int, None, "Save every N steps (and at the last step).", group="checkpoint"),
     _O("load", str, None, "Resume from this checkpoint directory.", group="checkpoint"),
     _O("ref_load", str, None, "Reference policy (KL, reference log-probs) from this checkpoint instead of the "
-       "policy's initial weights: an HF directory, or on --train-backend megatron also a torch_dist one.",
+       "policy's initial weights: an HF directory, or on --train-backend megatron also a torch_dist one (slime-core's, "
+       "or a Megatron-LM root with latest_checkpointed_iteration.txt, as slime's converter writes it).",
        group="checkpoint"),
     _O("no_save_optim", bool, False, "Do not save optimizer state.", group="checkpoint"),
     # -- what a run leaves behind (slimecore.runs, slimecore.export)

@@ -119,7 +119,8 @@ def test_megatron_fills_the_column_with_the_checkpoints_log_probs(student_and_te
     """The same on the megatron backend (CPU shim), with the teacher as an HF directory, a torch_dist one and a
     Megatron-LM checkpoint root (slime's tools/convert_hf_to_torch_dist.py: a ``release`` one), the reference by
     ``--ref-load`` of another Megatron-LM root (``iter_0000003``, the tracker's) holding the teacher's weights;
-    a Megatron-LM checkpoint of another architecture or size is one line naming the flag, keys and cause."""
+    a Megatron-LM checkpoint of another architecture or size is one line naming the flag, keys and cause; `convert
+    megatron-to-hf --load ROOT` writes the teacher's HF weights back exactly."""
     from slimecore.testing.distributed import run_ranks
 
     student, teacher = student_and_teacher
@@ -139,6 +140,7 @@ def test_megatron_fills_the_column_with_the_checkpoints_log_probs(student_and_te
     assert size.startswith(f"--ref-load {tmp_path / 'wider'}: the checkpoint"), size
     assert "shapes differ: decoder.final_layernorm.weight (96,) in the checkpoint, (64,) in the model" in size, size
     assert "another model size" in size and "optimizer" not in architecture + size, r
+    assert r["convert_exact"], r  # `slime-core convert megatron-to-hf --load ROOT`
 
 
 def test_megatron_lm_checkpoint_roots_are_recognised_or_refused_before_ray(student_and_teacher, tmp_path):

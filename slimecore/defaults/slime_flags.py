@@ -174,7 +174,7 @@ SLIME_FLAGS.update({
     **_same("opd-kl-coef", plugin="opd", text="the weight of the teacher's term in the advantages"),
     **_same("opd-teacher-load", plugin="opd", text="the teacher in the trainer (slime's --opd-type megatron): a "
             "checkpoint of the student's architecture read as --ref-load is (an HF directory, or on --train-backend "
-            "megatron also a torch_dist one), kept by each train rank as a CPU copy and run forward once a step to "
+            "megatron also a torch_dist one: slime-core's, or a Megatron-LM root), kept by each train rank as a CPU copy and run forward once a step to "
             "fill teacher_log_probs"),
     "--use-opd": Fate("mapped", "selects the opd plugin (as --plugin opd); with slime's --opd-type megatron and "
                       "--opd-teacher-load CKPT the teacher is the trainer's"),

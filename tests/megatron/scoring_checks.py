@@ -88,7 +88,7 @@ def megatron_scoring(rank: int, world: int, student: str, teacher: str, teacher_
     """The teacher column (and for "megatron_lm" the reference, by --ref-load) from an HF directory, a torch_dist one
     and Megatron-LM checkpoint roots (``write_megatron_lm``: the tracker's iteration for --ref-load, a ``release``
     one for the teacher); then the one-line refusals of a checkpoint of another architecture (no qk-norm) and of
-    another size."""
+    another size; ``convert megatron-to-hf`` of the release root gives the teacher's HF weights back."""
     import shutil
 
     import megatron_checks
@@ -137,6 +137,14 @@ def megatron_scoring(rank: int, world: int, student: str, teacher: str, teacher_
             trainer.backend.model.load_megatron_lm(folder, f"--ref-load {folder.parent}")
         except MegatronSetupError as exc:
             out[f"{name}_refusal"] = str(exc)
+    # `slime-core convert megatron-to-hf --load ROOT`: the teacher's HF weights back, exactly
+    from safetensors.torch import load_file
+
+    from slimecore.convert import megatron_to_hf
+
+    megatron_to_hf(base / "released", teacher, base / "back", megatron_checks._hooks())
+    original, back = load_file(f"{teacher}/model.safetensors"), load_file(f"{base}/back/model.safetensors")
+    out["convert_exact"] = set(original) == set(back) and all(torch.equal(original[k], back[k]) for k in original)
     return out
 
 

@@ -55,7 +55,7 @@ def slime_options():
                "'default' teacher); served by the policy's engine kind (--rollout-engine).", nargs="+"),
         Option("opd_teacher_load", str, None, "The teacher in the trainer (slime's --opd-type megatron): a "
                "checkpoint of the student's architecture (an HF directory; on --train-backend megatron also a "
-               "torch_dist one) that each train rank keeps as a CPU copy (one more copy of the model in host "
+               "torch_dist one, slime-core's or a Megatron-LM root) that each train rank keeps as a CPU copy (one more copy of the model in host "
                "memory) and runs forward over the batch once a step; no teacher engines."),
         Option("opd_teacher_urls", str, None, "External teachers, NAME=URL (SGLang servers or routers; Miles' "
                "flag). 'default' takes samples whose teacher name is missing or unknown.", nargs="+"),
