@@ -198,13 +198,21 @@ def load(config, train_groups: dict, rollout_manager) -> tuple[int, int]:
 __all__ = ["save", "load", "latest_complete", "resume_point", "ResumePoint", "set_aside_incomplete", "iteration_dir", "atomic_write_text", "prune", "save_final"]
 
 
-def megatron_lm_checkpoint(path: str | Path) -> Path | None:
+def megatron_lm_checkpoint(path: str | Path, step: int | None = None) -> Path | None:
     """The ``dist_checkpointing`` folder of a Megatron-LM checkpoint at ``path`` (what Megatron-LM's save_checkpoint and
     slime's tools/convert_hf_to_torch_dist.py write): a root whose ``latest_checkpointed_iteration.txt`` holds an
     iteration N (``iter_{N:07d}/``) or ``release`` (``release/``), or such a folder given directly (it holds
-    ``metadata.json``). None when ``path`` is neither; ValueError (the path and what to do, no flag) when the tracker
-    is unreadable or names a folder that is missing or no torch_dist checkpoint."""
+    ``metadata.json``). ``step`` (slime's --ref-ckpt-step, --opd-teacher-ckpt-step) picks ``iter_{step:07d}/``
+    instead of the tracker. None when ``path`` is neither; ValueError (the path and what to do, no flag) when the
+    tracker is unreadable or names, or ``step`` asks for, a folder that is missing or no torch_dist checkpoint."""
     path = Path(path)
+    if step is not None:
+        folder = iteration_dir(path, step)
+        if not (folder / "metadata.json").is_file():
+            raise ValueError(f"the step asked for is {folder.name}, which " + (
+                "holds no torch_dist checkpoint (no metadata.json)" if folder.is_dir() else "does not exist")
+                + "; a step picks an iteration folder of a Megatron-LM checkpoint root")
+        return folder
     if (path / "metadata.json").is_file() and (path.name == "release" or path.name.startswith("iter_")):
         return path
     tracker = path / MARKER

@@ -266,6 +266,8 @@ CORE_OPTIONS: list[Option] = [
        "policy's initial weights: an HF directory, or on --train-backend megatron also a torch_dist one (slime-core's, "
        "or a Megatron-LM root with latest_checkpointed_iteration.txt, as slime's converter writes it).",
        group="checkpoint"),
+    _O("ref_ckpt_step", int, None, "With --ref-load a Megatron-LM checkpoint root: the iteration to read (its "
+       "iter_N folder) instead of the one its latest_checkpointed_iteration.txt names (megatron).", group="checkpoint"),
     _O("no_save_optim", bool, False, "Do not save optimizer state.", group="checkpoint"),
     # -- what a run leaves behind (slimecore.runs, slimecore.export)
     _O("save_hf", str, None, "Also write every --save checkpoint as an HF model (save_pretrained weights, config, "
@@ -832,6 +834,9 @@ def validate_core(config: Config) -> None:
     for name in ("save_interval", "save_hf", "keep_last_n"):
         if getattr(c, name) and not c.save:
             raise ConfigError(f"{CORE_BY_NAME[name].flag} needs --save DIR")
+    if c.ref_ckpt_step is not None and not c.ref_load:
+        raise ConfigError("--ref-ckpt-step picks an iteration of --ref-load's Megatron-LM checkpoint root; give "
+                          "--ref-load ROOT too")
     if c.ref_load:
         check_ref_load(c)
     if c.sequence_parallel and c.tensor_model_parallel_size == 1:
@@ -849,35 +854,36 @@ def check_ref_load(c: Config) -> None:
     if c.use_lora:
         raise ConfigError("--ref-load with --use-lora: the LoRA reference is the --hf-checkpoint model with the "
                           "adapters off; drop one of them")
-    check_weights_dir(c, "--ref-load", c.ref_load)
+    check_weights_dir(c, "--ref-load", c.ref_load, c.ref_ckpt_step, "--ref-ckpt-step")
 
 
-def check_weights_dir(c: Config, what: str, checkpoint: str) -> bool:
+def check_weights_dir(c: Config, what: str, checkpoint: str, step: int | None = None, step_flag: str = "") -> bool:
     """``checkpoint`` (given by ``what``) is one the backend reads as weights of the policy's architecture, as it reads
     ``--ref-load``: an HF directory, or on megatron also a torch_dist one (slime-core's, or a Megatron-LM checkpoint
-    root or iteration folder: ``slimecore.checkpoint.megatron_lm_checkpoint``). Returns whether it is an HF
-    directory."""
+    root or iteration folder: ``slimecore.checkpoint.megatron_lm_checkpoint``; ``step``, given by ``step_flag``,
+    picks the root's iter_N). Returns whether it is an HF directory."""
     from slimecore.checkpoint import megatron_lm_checkpoint
 
     path = Path(checkpoint)
+    where = f"{what} {path}" + (f" with {step_flag} {step}" if step is not None else "")
     hf, torch_dist = (path / "config.json").is_file(), (path / "megatron_checkpoint.json").is_file()
-    if hf or torch_dist:
+    if step is None and (hf or torch_dist):
         if not hf and c.train_backend != "megatron":
-            raise ConfigError(f"{what} {path}: a torch_dist checkpoint, which --train-backend fsdp cannot read; "
+            raise ConfigError(f"{where}: a torch_dist checkpoint, which --train-backend fsdp cannot read; "
                               "convert it with `slime-core convert megatron-to-hf`, or use --train-backend megatron")
         return hf
     try:
-        megatron_lm = megatron_lm_checkpoint(path)
+        megatron_lm = megatron_lm_checkpoint(path, step)
     except ValueError as exc:
-        raise ConfigError(f"{what} {path}: {exc}") from None
+        raise ConfigError(f"{where}: {exc}") from None
     if megatron_lm is None:
-        raise ConfigError(f"{what} {path}: not an HF checkpoint directory (no config.json)" + (
+        raise ConfigError(f"{where}: not an HF checkpoint directory (no config.json)" + (
             " nor a torch_dist one (no megatron_checkpoint.json, no latest_checkpointed_iteration.txt)"
             if c.train_backend == "megatron" else ""))
     if c.train_backend != "megatron":
-        raise ConfigError(f"{what} {path}: a Megatron-LM checkpoint ({megatron_lm.name}), which --train-backend fsdp "
-                          "cannot read; convert it with `slime-core convert megatron-to-hf --load "
-                          f"{path} --hf-checkpoint HF_DIR --output OUT`, or use --train-backend megatron")
+        raise ConfigError(f"{where}: a Megatron-LM checkpoint ({megatron_lm.name}), which --train-backend fsdp "
+                          f"cannot read; convert it with `slime-core convert megatron-to-hf --load {megatron_lm} "
+                          "--hf-checkpoint HF_DIR --output OUT`, or use --train-backend megatron")
     return False
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import shutil
 import sys
 from pathlib import Path
 
@@ -141,6 +142,7 @@ def test_megatron_fills_the_column_with_the_checkpoints_log_probs(student_and_te
     assert "shapes differ: decoder.final_layernorm.weight (96,) in the checkpoint, (64,) in the model" in size, size
     assert "another model size" in size and "optimizer" not in architecture + size, r
     assert r["convert_exact"], r  # `slime-core convert megatron-to-hf --load ROOT`
+    assert r["stepped_vs_student"] < 1e-5, r  # --ref-ckpt-step 3 read iter_0000003, not the tracker's iter_0000009
 
 
 def test_megatron_lm_checkpoint_roots_are_recognised_or_refused_before_ray(student_and_teacher, tmp_path):
@@ -165,28 +167,41 @@ def test_megatron_lm_checkpoint_roots_are_recognised_or_refused_before_ray(stude
 
     opd = {o.name: o.default for o in load_plugins(["opd"]).slime_options()["opd"]}
 
-    def check(flag: str, backend: str, checkpoint) -> None:
+    def check(flag: str, backend: str, checkpoint, step=None) -> None:
         if flag == "--ref-load":
-            check_ref_load(Config.make(hf_checkpoint=str(student), train_backend=backend, ref_load=str(checkpoint)))
+            check_ref_load(Config.make(hf_checkpoint=str(student), train_backend=backend, ref_load=str(checkpoint),
+                                       ref_ckpt_step=step))
         else:
-            config = Config.make(plugins=["opd"], plugin_values={"opd": opd | {"opd_teacher_load": str(checkpoint)}},
-                                 hf_checkpoint=str(student), train_backend=backend)
-            load_plugins(["opd"]).slime_validate_config(config=config)
+            values = opd | {"opd_teacher_load": str(checkpoint), "opd_teacher_ckpt_step": step}
+            config = Config.make(plugins=["opd"], plugin_values={"opd": values}, hf_checkpoint=str(student),
+                                 train_backend=backend)
+            hooks = load_plugins(["opd"])
+            hooks.slime_validate_config(config=config)
+            assert hooks.slime_scoring_weights(config=config, role="actor") == {
+                "teacher_log_probs": str(checkpoint if step is None else checkpoint / f"iter_{step:07d}")}
 
-    for checkpoint in (root, released, root / "iter_0000003"):
+    for checkpoint, step in ((root, None), (released, None), (root / "iter_0000003", None), (missing, 3),
+                             (root, 3)):
+        if step == 3 and checkpoint == missing:  # a step picks its folder whatever the tracker names
+            (missing / "iter_0000003").mkdir()
+            (missing / "iter_0000003" / "metadata.json").write_text("{}")
         for flag in ("--ref-load", "--opd-teacher-load"):
-            check(flag, "megatron", checkpoint)
+            check(flag, "megatron", checkpoint, step)
+    shutil.rmtree(missing / "iter_0000003")
     refusals = {
         ("megatron", missing): "a Megatron-LM checkpoint root whose latest_checkpointed_iteration.txt names "
                                "iter_0000007, which does not exist; point the tracker at a saved iteration",
         ("megatron", ours): "a slime-core checkpoint root (iter_0000002 holds a folder per role); give the role's "
                             f"folder, {ours / 'iter_0000002' / 'actor'}",
         ("fsdp", root): "a Megatron-LM checkpoint (iter_0000003), which --train-backend fsdp cannot read; convert it "
-                        f"with `slime-core convert megatron-to-hf --load {root} --hf-checkpoint HF_DIR --output OUT`",
+                        f"with `slime-core convert megatron-to-hf --load {root / 'iter_0000003'} --hf-checkpoint "
+                        "HF_DIR --output OUT`",
+        ("megatron", root, 5): "the step asked for is iter_0000005, which does not exist",
+        ("megatron", student, 3): "the step asked for is iter_0000003, which does not exist",
     }
-    for (backend, checkpoint), message in refusals.items():
-        for flag in ("--ref-load", "--opd-teacher-load"):
+    for (backend, checkpoint, *step), message in refusals.items():
+        for flag, step_flag in (("--ref-load", "--ref-ckpt-step"), ("--opd-teacher-load", "--opd-teacher-ckpt-step")):
             with pytest.raises(ConfigError) as info:
-                check(flag, backend, checkpoint)
-            assert "\n" not in str(info.value) and str(info.value).startswith(
-                f"{flag} {checkpoint}: {message}"), str(info.value)
+                check(flag, backend, checkpoint, *step)
+            where = f"{flag} {checkpoint}" + (f" with {step_flag} {step[0]}" if step else "")
+            assert "\n" not in str(info.value) and str(info.value).startswith(f"{where}: {message}"), str(info.value)

@@ -57,6 +57,9 @@ CONTEXT = {
     "--opd-kl-coef": ["--opd-teacher-urls", "default=http://127.0.0.1:1"],  # the opd plugin needs a teacher
     "--use-opd": ["--opd-type", "megatron", "--opd-teacher-load", "ref"],  # slime asks for --opd-type
     "--mtp-num-layers": ["--train-backend", "megatron"], "--mtp-loss-scaling-factor": ["--train-backend", "megatron"],
+    # a step picks iter_0000002 of a Megatron-LM checkpoint root (user_dir's "mlm")
+    "--ref-ckpt-step": ["--train-backend", "megatron", "--ref-load", "mlm"],
+    "--opd-teacher-ckpt-step": ["--train-backend", "megatron", "--opd-teacher-load", "mlm"],
 }
 # values of a same or mapped flag that slime-core refuses, with what to use (the table's text says so)
 REFUSED_VALUES = {("--advantage-estimator", "cispo"), ("--loss-type", "sft_loss")}
@@ -119,6 +122,9 @@ def user_dir(tmp_path_factory):
     (path / "x").write_text("call_log: calls.jsonl\n")  # --custom-config-path / --eval-config "x"
     (path / "ref").mkdir()
     (path / "ref" / "config.json").write_text("{}")  # an HF directory for --ref-load (read by the trainers)
+    (path / "mlm" / "iter_0000002").mkdir(parents=True)  # a Megatron-LM checkpoint root for --ref-ckpt-step 2
+    (path / "mlm" / "iter_0000002" / "metadata.json").write_text("{}")
+    (path / "mlm" / "latest_checkpointed_iteration.txt").write_text("2")
     (path / "sglang.yaml").write_text("sglang:\n  - name: actor\n    server_groups:\n      - worker_type: regular\n"
                                       "        num_gpus: 1\n        overrides: {mem_fraction_static: 0.7}\n")
     return path

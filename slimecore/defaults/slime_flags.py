@@ -182,9 +182,8 @@ SLIME_FLAGS.update({
                "asks its teacher engines itself", "--opd-type megatron --opd-teacher-load CKPT (the teacher in the "
                "trainer), or --plugin opd with --opd-teacher NAME=HF_CHECKPOINT (the run starts that teacher) or "
                "--opd-teacher-urls NAME=URL", "--opd-type", accepted=("megatron",)),
-    **_refused("a checkpoint step is not chosen inside --opd-teacher-load, as inside --ref-load (the trainers read "
-               "the checkpoint directory given)", "--opd-teacher-load with the checkpoint directory itself (an HF "
-               "directory, or SAVE/iter_N/actor on megatron)", "--opd-teacher-ckpt-step"),
+    **_same("opd-teacher-ckpt-step", plugin="opd", text="with --opd-teacher-load a Megatron-LM checkpoint root "
+            "(slime's converter output, a Megatron-LM save): the iteration read, iter_N (megatron)"),
     **_refused("off-policy sequence masking is not implemented", "--use-tis --tis-mode icepop (token-level masking)",
                "--use-opsm", "--opsm-delta"),
     **_refused("the vocabulary size comes from config.json", _DROP, "--padded-vocab-size"),
@@ -194,8 +193,8 @@ SLIME_FLAGS.update({
                "--qwen-gdn-backend"),
     **_refused("the loss is not recomputed separately", "--gradient-checkpointing (fsdp) or --recompute-granularity "
                "(megatron)", "--recompute-loss-function"),
-    **_refused("a checkpoint step is not chosen inside --ref-load", "point --ref-load at the checkpoint directory "
-               "itself (an HF directory, or SAVE/iter_N/actor on megatron)", "--ref-ckpt-step"),
+    **_same("ref-ckpt-step", text="with --ref-load a Megatron-LM checkpoint root (slime's converter output, a "
+            "Megatron-LM save): the iteration read, iter_N (megatron)"),
     **_refused("the reference policy is not refreshed from the actor", _DROP, "--ref-update-interval"),
     **_refused("train actors stay alive through the run", "--offload-train (moves the trainer's state to CPU while "
                "engines generate)", "--release-train"),

@@ -258,7 +258,7 @@ class MegatronBackend:
         self.collective_export = (parallel_state.get_model_parallel_group().size() > 1
                                   or config.expert_model_parallel_size > 1)
         if config.ref_load:  # slime's --ref-load: the reference policy, and the starting weights unless --load resumes
-            self._load_reference_checkpoint(hooks, Path(config.ref_load))
+            self._load_reference_checkpoint(hooks, Path(config.ref_load), step=config.ref_ckpt_step)
         # column -> the weights it is scored under (reference_weights): the reference, other checkpoints read as
         # --ref-load is (the starting weights put back after each)
         self._kept = {REFERENCE: ReferenceCopy(self.modules.named_parameters())} if keep_reference else {}
@@ -286,11 +286,16 @@ class MegatronBackend:
         self.router_replay = MegatronRouterReplay(self.chunks, config) if replays(config) else None
         self.records = self.router_replay is not None and records(config)
 
-    def _load_reference_checkpoint(self, hooks, path: Path, what: str = "--ref-load") -> None:
+    def _load_reference_checkpoint(self, hooks, path: Path, what: str = "--ref-load", step: int | None = None) -> None:
         """``--ref-load`` (or ``what``): a torch_dist checkpoint of this model (``megatron_checkpoint.json``: a megatron
         save's role folder, or ``slime-core convert hf-to-megatron``), a Megatron-LM one (a root with
         ``latest_checkpointed_iteration.txt``, or its ``iter_N`` / ``release`` folder: slime's
-        tools/convert_hf_to_torch_dist.py), or an HF directory of the same shape."""
+        tools/convert_hf_to_torch_dist.py; ``step``, slime's --ref-ckpt-step, picks its iter_N), or an HF directory of
+        the same shape."""
+        if step is not None:
+            self.model.load_megatron_lm(megatron_lm_checkpoint(path, step),
+                                        f"{what} {path} with --ref-ckpt-step {step}")
+            return
         if (path / CHECKPOINT_META).is_file():
             check_shape(read_checkpoint_meta(path), self.model.bridge, f"{what} {path}")
             self.model.load_torch_dist(path)

@@ -88,7 +88,8 @@ def megatron_scoring(rank: int, world: int, student: str, teacher: str, teacher_
     """The teacher column (and for "megatron_lm" the reference, by --ref-load) from an HF directory, a torch_dist one
     and Megatron-LM checkpoint roots (``write_megatron_lm``: the tracker's iteration for --ref-load, a ``release``
     one for the teacher); then the one-line refusals of a checkpoint of another architecture (no qk-norm) and of
-    another size; ``convert megatron-to-hf`` of the release root gives the teacher's HF weights back."""
+    another size; --ref-ckpt-step's iteration read in place of the tracker's; ``convert megatron-to-hf`` of the
+    release root gives the teacher's HF weights back."""
     import shutil
 
     import megatron_checks
@@ -137,6 +138,11 @@ def megatron_scoring(rank: int, world: int, student: str, teacher: str, teacher_
             trainer.backend.model.load_megatron_lm(folder, f"--ref-load {folder.parent}")
         except MegatronSetupError as exc:
             out[f"{name}_refusal"] = str(exc)
+    # --ref-ckpt-step 3: iter_0000003 of a root whose tracker names a missing iteration (the student's weights)
+    write_megatron_lm(student, str(base / "stepped"))
+    (base / "stepped" / "latest_checkpointed_iteration.txt").write_text("9")
+    trainer.backend._load_reference_checkpoint(megatron_checks._hooks(), base / "stepped", step=3)
+    out["stepped_vs_student"] = megatron_checks._max_diff(trainer.compute_log_probs(copy.deepcopy(data)), student_hf)
     # `slime-core convert megatron-to-hf --load ROOT`: the teacher's HF weights back, exactly
     from safetensors.torch import load_file
 

@@ -32,6 +32,7 @@ import logging
 from pathlib import Path
 
 from slimecore import hookimpl
+from slimecore.checkpoint import megatron_lm_checkpoint
 from slimecore.config import Config, ConfigError, Option, check_weights_dir
 from slimecore.types import Status
 from slime_opd.distill import (DEFAULT_TEACHER, STRATEGIES, WEIGHT_MODES, TeacherError, needs_student_top,
@@ -55,8 +56,12 @@ def slime_options():
                "'default' teacher); served by the policy's engine kind (--rollout-engine).", nargs="+"),
         Option("opd_teacher_load", str, None, "The teacher in the trainer (slime's --opd-type megatron): a "
                "checkpoint of the student's architecture (an HF directory; on --train-backend megatron also a "
-               "torch_dist one, slime-core's or a Megatron-LM root) that each train rank keeps as a CPU copy (one more copy of the model in host "
-               "memory) and runs forward over the batch once a step; no teacher engines."),
+               "torch_dist one, slime-core's or a Megatron-LM root) that each train rank keeps as a CPU copy (one "
+               "more copy of the model in host memory) and runs forward over the batch once a step; no teacher "
+               "engines."),
+        Option("opd_teacher_ckpt_step", int, None, "With --opd-teacher-load a Megatron-LM checkpoint root: the "
+               "iteration to read (its iter_N folder) instead of the one its latest_checkpointed_iteration.txt "
+               "names (slime's flag; megatron)."),
         Option("opd_teacher_urls", str, None, "External teachers, NAME=URL (SGLang servers or routers; Miles' "
                "flag). 'default' takes samples whose teacher name is missing or unknown.", nargs="+"),
         Option("opd_teacher_key", str, "opd_teacher", "Sample metadata key naming a sample's teacher."),
@@ -110,7 +115,11 @@ def slime_validate_config(config):
         if o.opd_log_prob_top_k:
             raise ConfigError("--opd-log-prob-top-k with --opd-teacher-load: the trainer's teacher scores the sampled "
                               "token only; top-k OPD needs --opd-teacher or --opd-teacher-urls")
-        check_weights_dir(config, "--opd-teacher-load", o.opd_teacher_load)
+        check_weights_dir(config, "--opd-teacher-load", o.opd_teacher_load, o.opd_teacher_ckpt_step,
+                          "--opd-teacher-ckpt-step")
+    elif o.opd_teacher_ckpt_step is not None:
+        raise ConfigError("--opd-teacher-ckpt-step picks an iteration of --opd-teacher-load's Megatron-LM checkpoint "
+                          "root; give --opd-teacher-load ROOT too")
     for name, path in started.items():
         if not (Path(path) / "config.json").is_file():
             raise ConfigError(f"--opd-teacher {name}={path}: no config.json there; give an HF checkpoint directory")
@@ -276,7 +285,10 @@ def slime_post_process_rewards(config, samples):
 @hookimpl
 def slime_scoring_weights(config, role):
     """--opd-teacher-load: the trainer fills ``teacher_log_probs`` with the teacher's log-probs."""
-    load = config.plugin(NAME).opd_teacher_load
+    o = config.plugin(NAME)
+    load = o.opd_teacher_load
+    if load and o.opd_teacher_ckpt_step is not None:  # the root's iteration folder, which the trainer reads as given
+        load = str(megatron_lm_checkpoint(load, o.opd_teacher_ckpt_step))
     return {"teacher_log_probs": load} if role == "actor" and load else {}
 
 
