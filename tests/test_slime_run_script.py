@@ -1,15 +1,16 @@
 """slime's own run script, ``scripts/run-qwen3-4B.sh`` of THUDM/slime 624b824 (kept verbatim as
 tests/slime_format/scripts/run-qwen3-4B.sh), runs under slime-core on CPU for 2 steps.
 
-Only what a different machine changes is substituted: the paths (a tiny Qwen3 checkpoint, prompt files, the save
-directory), the model file it sources sized to that checkpoint (slime's qwen3-4B.sh with the tiny model's numbers:
-the same flags), the GPU counts (one device per trainer and engine), and the sizes that make it a 2-step CPU run
-(steps, batch, response lengths). The environment provides what the script calls around the run: ``ray start`` and
-``ray stop`` (slime-core starts its own local Ray), ``pkill`` and ``sleep`` (the script's clean-up of a previous run
-would kill every Python process on the machine), ``ray job submit -- python3 train.py ARGS`` (runs the command with
-the runtime environment's variables) and ``train.py`` (slime's entry point: ``slime-core train ARGS``, with the
-test-only plugin that installs megatron-core's CPU shim, tests/megatron/cpu_plugin.py, as this machine has no
-CUDA). Every flag the script passes reaches slime-core's parser as written."""
+Only what a different machine changes is substituted: the paths (a tiny Qwen3 checkpoint, as --ref-load the
+Megatron-LM root slime's tools/convert_hf_to_torch_dist.py would make of it, prompt files, the save directory), the
+model file it sources sized to that checkpoint (slime's qwen3-4B.sh with the tiny model's numbers: the same flags),
+the GPU counts (one device per trainer and engine), and the sizes that make it a 2-step CPU run (steps, batch,
+response lengths). The environment provides what the script calls around the run: ``ray start`` and ``ray stop``
+(slime-core starts its own local Ray), ``pkill`` and ``sleep`` (the script's clean-up of a previous run would kill
+every Python process on the machine), ``ray job submit -- python3 train.py ARGS`` (runs the command with the runtime
+environment's variables) and ``train.py`` (slime's entry point: ``slime-core train ARGS``, with the test-only plugin
+that installs megatron-core's CPU shim, tests/megatron/cpu_plugin.py, as this machine has no CUDA). Every flag the
+script passes reaches slime-core's parser as written."""
 
 from __future__ import annotations
 
@@ -65,7 +66,7 @@ def _substituted_script(root: Path, checkpoint: Path) -> str:
     """The run script with this machine's paths, GPU counts and a 2-step CPU run's sizes."""
     text = (SCRIPTS / "run-qwen3-4B.sh").read_text()
     subs = {  # (old, new): paths
-        "/root/Qwen3-4B_torch_dist": str(checkpoint),  # --ref-load: slime also reads an HF directory there
+        "/root/Qwen3-4B_torch_dist": str(root / "Qwen3-tiny_torch_dist"),  # --ref-load: a Megatron-LM root
         "/root/Qwen3-4B_slime/": str(root / "save") + "/", "/root/Qwen3-4B": str(checkpoint),
         "/root/dapo-math-17k/dapo-math-17k.jsonl": str(root / "dapo.jsonl"),
         "/root/aime-2024/aime-2024.jsonl": str(root / "aime.jsonl"),
@@ -92,6 +93,14 @@ def slime_checkout(tmp_path):
     from slimecore.testing.tiny import make_tiny_checkpoint
 
     checkpoint = make_tiny_checkpoint(tmp_path / "Qwen3-tiny", "qwen3")
+    # what slime's tools/convert_hf_to_torch_dist.py makes of it (Megatron-LM's save_checkpoint layout)
+    sys.path.insert(0, str(Path(__file__).parent / "megatron"))
+    import scoring_checks
+
+    from slimecore.testing.distributed import run_ranks
+
+    run_ranks(scoring_checks.megatron_lm_root, str(checkpoint), str(tmp_path / "Qwen3-tiny_torch_dist"), world=1,
+              timeout=300)
     (tmp_path / "scripts" / "models").mkdir(parents=True)
     (tmp_path / "scripts" / "run-qwen3-4B.sh").write_text(_substituted_script(tmp_path, checkpoint))
     (tmp_path / "scripts" / "models" / "qwen3-4B.sh").write_text(_tiny_model_file(checkpoint))
@@ -120,5 +129,6 @@ def test_slimes_run_qwen3_4b_script_runs_unchanged_for_two_steps(slime_checkout)
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert [s["rollout/step"] for s in steps if "train/loss" in s] == [0, 1]  # 2 training steps
     config = (run / "config.yaml").read_text()
-    assert "train_backend: megatron" in config and "ref_load:" in config and "balance_data: true" in config
+    assert "train_backend: megatron" in config and "balance_data: true" in config
+    assert f"ref_load: {root / 'Qwen3-tiny_torch_dist'}" in config  # the Megatron-LM root, as slime's script gives it
     assert (root / "save" / "iter_0000001").is_dir()  # --save-interval 20: the last step is saved too

@@ -78,6 +78,14 @@ def write_megatron_lm(hf_dir: str, root: str, iteration: int = 3, mutate=None) -
     return folder
 
 
+def megatron_lm_root(rank: int, world: int, hf_dir: str, root: str) -> str:
+    """``write_megatron_lm`` in a fresh process (``run_ranks``) with the CPU shim: a Megatron-LM root of ``hf_dir``."""
+    import megatron_checks
+
+    megatron_checks._setup()
+    return str(write_megatron_lm(hf_dir, root))
+
+
 def without_qk_norm(sharded: dict) -> None:
     """A checkpoint of an architecture without qk-norm (Llama, Qwen2) for the Qwen3 model."""
     for key in [k for k in sharded if "q_layernorm" in k or "k_layernorm" in k]:
