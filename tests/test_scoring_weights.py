@@ -205,3 +205,18 @@ def test_megatron_lm_checkpoint_roots_are_recognised_or_refused_before_ray(stude
                 check(flag, backend, checkpoint, *step)
             where = f"{flag} {checkpoint}" + (f" with {step_flag} {step[0]}" if step else "")
             assert "\n" not in str(info.value) and str(info.value).startswith(f"{where}: {message}"), str(info.value)
+
+
+def test_a_checkpoint_step_without_its_checkpoint_is_refused(student_and_teacher):
+    from slimecore.config import validate_core
+
+    student, _ = student_and_teacher
+    with pytest.raises(ConfigError, match=r"^--ref-ckpt-step picks an iteration of --ref-load's Megatron-LM checkpoint "
+                                          r"root; give --ref-load ROOT too$"):
+        validate_core(Config.make(hf_checkpoint=str(student), ref_ckpt_step=3, rollout_batch_size=2))
+    opd = {o.name: o.default for o in load_plugins(["opd"]).slime_options()["opd"]}
+    config = Config.make(plugins=["opd"], plugin_values={"opd": opd | {"opd_teacher_ckpt_step": 3,
+                                                                       "opd_teacher_urls": ["default=http://x:1"]}},
+                         hf_checkpoint=str(student))
+    with pytest.raises(ConfigError, match=r"^--opd-teacher-ckpt-step picks an iteration of --opd-teacher-load's"):
+        load_plugins(["opd"]).slime_validate_config(config=config)
