@@ -23,7 +23,8 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-MARKER = "latest_checkpointed_iteration.txt"
+from slimecore.checkpoint_layout import MARKER, iteration_dir
+
 COMPLETE = "rollout_state.pt"  # written after every role's state: its presence marks a complete iteration
 INCOMPLETE = "incomplete"  # where a save moves an iteration a killed run left half-written, before rewriting it
 log = logging.getLogger("slimecore.checkpoint")
@@ -35,10 +36,6 @@ def atomic_write_text(path: str | Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     tmp.write_text(text)
     os.replace(tmp, path)
-
-
-def iteration_dir(root: str | Path, rollout_id: int) -> Path:
-    return Path(root) / f"iter_{rollout_id:07d}"
 
 
 def save(config, rollout_id: int, policy_version: int, train_groups: dict, rollout_manager) -> Path:
@@ -196,43 +193,3 @@ def load(config, train_groups: dict, rollout_manager) -> tuple[int, int]:
 
 
 __all__ = ["save", "load", "latest_complete", "resume_point", "ResumePoint", "set_aside_incomplete", "iteration_dir", "atomic_write_text", "prune", "save_final"]
-
-
-def megatron_lm_checkpoint(path: str | Path, step: int | None = None) -> Path | None:
-    """The ``dist_checkpointing`` folder of a Megatron-LM checkpoint at ``path`` (what Megatron-LM's save_checkpoint and
-    slime's tools/convert_hf_to_torch_dist.py write): a root whose ``latest_checkpointed_iteration.txt`` holds an
-    iteration N (``iter_{N:07d}/``) or ``release`` (``release/``), or such a folder given directly (it holds
-    ``metadata.json``). ``step`` (slime's --ref-ckpt-step, --opd-teacher-ckpt-step) picks ``iter_{step:07d}/``
-    instead of the tracker. None when ``path`` is neither; ValueError (the path and what to do, no flag) when the
-    tracker is unreadable or names, or ``step`` asks for, a folder that is missing or no torch_dist checkpoint."""
-    path = Path(path)
-    if step is not None:
-        folder = iteration_dir(path, step)
-        if not (folder / "metadata.json").is_file():
-            raise ValueError(f"the step asked for is {folder.name}, which " + (
-                "holds no torch_dist checkpoint (no metadata.json)" if folder.is_dir() else "does not exist")
-                + "; a step picks an iteration folder of a Megatron-LM checkpoint root")
-        return folder
-    if (path / "metadata.json").is_file() and (path.name == "release" or path.name.startswith("iter_")):
-        return path
-    tracker = path / MARKER
-    if not tracker.is_file():
-        return None
-    text = tracker.read_text().strip()
-    if text == "release":
-        folder = path / "release"
-    else:
-        try:
-            folder = iteration_dir(path, int(text))
-        except ValueError:
-            raise ValueError(f"a Megatron-LM checkpoint root whose {MARKER} holds {text[:40]!r}, neither an "
-                             "iteration number nor 'release'; write the iteration to load there, or give its "
-                             "iter_NNNNNNN folder") from None
-    if not (folder / "metadata.json").is_file():
-        if (folder / "actor").is_dir():  # slime-core's own save: iter_N/ holds one folder per role
-            raise ValueError(f"a slime-core checkpoint root ({folder.name} holds a folder per role); give the "
-                             f"role's folder, {folder / 'actor'}")
-        raise ValueError(f"a Megatron-LM checkpoint root whose {MARKER} names {folder.name}, which " + (
-            "holds no torch_dist checkpoint (no metadata.json)" if folder.is_dir() else "does not exist")
-            + "; point the tracker at a saved iteration, or give that iteration's folder")
-    return folder

@@ -860,9 +860,9 @@ def check_ref_load(c: Config) -> None:
 def check_weights_dir(c: Config, what: str, checkpoint: str, step: int | None = None, step_flag: str = "") -> bool:
     """``checkpoint`` (given by ``what``) is one the backend reads as weights of the policy's architecture, as it reads
     ``--ref-load``: an HF directory, or on megatron also a torch_dist one (slime-core's, or a Megatron-LM checkpoint
-    root or iteration folder: ``slimecore.checkpoint.megatron_lm_checkpoint``; ``step``, given by ``step_flag``,
+    root or iteration folder: ``slimecore.checkpoint_layout.megatron_lm_checkpoint``; ``step``, given by ``step_flag``,
     picks the root's iter_N). Returns whether it is an HF directory."""
-    from slimecore.checkpoint import megatron_lm_checkpoint
+    from slimecore.checkpoint_layout import megatron_lm_checkpoint
 
     path = Path(checkpoint)
     where = f"{what} {path}" + (f" with {step_flag} {step}" if step is not None else "")

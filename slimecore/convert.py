@@ -276,7 +276,7 @@ def check_megatron_to_hf(load: str | Path, hf_dir: str | Path, hooks):
     megatron backend or ``hf-to-megatron`` (``megatron_checkpoint.json``; meta is what it records) or a Megatron-LM
     one (a root with ``latest_checkpointed_iteration.txt``, or an ``iter_N`` / ``release`` folder; meta is None: it
     records no shape, and its keys and shapes are checked against the model when it loads)."""
-    from slimecore.checkpoint import megatron_lm_checkpoint
+    from slimecore.checkpoint_layout import megatron_lm_checkpoint
     from slimecore.trainers.megatron_model import CHECKPOINT_META, check_shape, read_checkpoint_meta
 
     load, hf_dir = Path(load), Path(hf_dir)
@@ -312,7 +312,7 @@ def megatron_to_hf(load: str | Path, hf_dir: str | Path, output: str | Path, hoo
     init_parallel(config, rank, world)
     model = BridgedModel.build(config, hooks, str(hf_dir), load_weights=False)
     if meta is None:  # a Megatron-LM checkpoint
-        from slimecore.checkpoint import megatron_lm_checkpoint
+        from slimecore.checkpoint_layout import megatron_lm_checkpoint
 
         model.load_megatron_lm(megatron_lm_checkpoint(load), f"--load {load}")
     else:

@@ -149,7 +149,7 @@ def test_megatron_lm_checkpoint_roots_are_recognised_or_refused_before_ray(stude
     """A Megatron-LM root (tracker -> iter_N or release, the folder holding metadata.json) or its folder given
     directly passes --ref-load's and --opd-teacher-load's check on megatron; a tracker naming a missing folder, a
     slime-core save root, and any of them on fsdp are one line naming the flag, the path and what to do."""
-    from slimecore.checkpoint import megatron_lm_checkpoint
+    from slimecore.checkpoint_layout import megatron_lm_checkpoint
     from slimecore.config import check_ref_load
 
     student, _ = student_and_teacher

@@ -60,7 +60,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from slimecore.checkpoint import megatron_lm_checkpoint
+from slimecore.checkpoint_layout import megatron_lm_checkpoint
 from slimecore.trainers.megatron_args import megatron_overrides
 from slimecore.ops.linear_logprobs import CHUNK_TOKENS, linear_log_probs_and_entropy
 from slimecore.routers import MegatronRouterReplay

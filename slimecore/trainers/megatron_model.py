@@ -169,7 +169,7 @@ class BridgedModel:
         return loaded
 
     def load_megatron_lm(self, folder: Path, where: str) -> None:
-        """The model's weights from a Megatron-LM checkpoint folder (``slimecore.checkpoint.megatron_lm_checkpoint``):
+        """The model's weights from a Megatron-LM checkpoint folder (``slimecore.checkpoint_layout.megatron_lm_checkpoint``):
         its sharded model tensors, resharded to this layout as ``load_torch_dist`` does, the sharded state dict built
         with the content metadata the checkpoint was saved with (Megatron-LM's ``sharded_state_dict`` options). The
         optimizer, RNG state and args in it are not read. A key or shape mismatch with this model is one

@@ -32,7 +32,7 @@ import logging
 from pathlib import Path
 
 from slimecore import hookimpl
-from slimecore.checkpoint import megatron_lm_checkpoint
+from slimecore.checkpoint_layout import megatron_lm_checkpoint
 from slimecore.config import Config, ConfigError, Option, check_weights_dir
 from slimecore.types import Status
 from slime_opd.distill import (DEFAULT_TEACHER, STRATEGIES, WEIGHT_MODES, TeacherError, needs_student_top,
