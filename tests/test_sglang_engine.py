@@ -100,6 +100,11 @@ def test_server_args_are_slimes_then_the_users(tiny_checkpoint, tmp_path):
     assert line[:3] == [sys.executable, "-m", "sglang.launch_server"]
     assert line[line.index("--tp-size") + 1] == "2" and "--enable-metrics" in line and "--enable-memory-saver" in line
     assert "--api-key=-k" in line  # a random key may start with "-": joined, argparse takes it as the value
+    # the CPU stand-in reads the line as SGLang's argparse does, a key starting with "--" too (1 in 4096 random keys)
+    from slimecore.testing.sglang_standin import parse
+
+    parsed = parse(sglang_engine.command_line(config, {**args, "api_key": "--k=1"})[3:])
+    assert parsed["api_key"] == "--k=1" and parsed["port"] == "30001" and parsed["enable_metrics"] is True
 
 
 @needs_sglang

@@ -21,10 +21,15 @@ USED = {"model_path", "host", "port", "random_seed", "api_key", "tp_size"}
 
 
 def parse(argv: list[str]) -> dict:
-    """``--a-b 1 --flag --c x y`` -> ``{"a_b": "1", "flag": True, "c": ["x", "y"]}``."""
+    """``--a-b 1 --flag --c x y --d=-2`` -> ``{"a_b": "1", "flag": True, "c": ["x", "y"], "d": "-2"}``: as argparse,
+    ``--flag=value`` gives the value whatever it starts with (slime-core joins a value starting with ``-``, such as an
+    API key, to its flag)."""
     args, key = {}, None
     for token in argv:
-        if token.startswith("--"):
+        if token.startswith("--") and "=" in token:
+            name, value = token[2:].split("=", 1)
+            args[name.replace("-", "_")], key = value, None
+        elif token.startswith("--"):
             key = token[2:].replace("-", "_")
             args[key] = True
         elif key is None:
